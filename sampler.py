@@ -1,0 +1,59 @@
+"""
+The Gumbel-TopK sampler with a straight-through estimator (paper eq. 6-7 and Algorithm 2, SPEC 2),
+and the two schedules of the search phase (temperature tau and kept-layer count k').
+
+    S_1 = S + g,  g ~ Gumbel(0, 1)                       (Alg. 2 line 1)
+    for i = 1..k':  p_i = softmax(S_i / tau)
+                    M~ += p_i                            (eq. 6, left)
+                    S_{i+1} = S_i + log(1 - p_i)         (eq. 6, right: "remove" what was just picked)
+    H = TopK(M~, k')                                     hard 0/1 mask
+    M = H + (M~ - stopgrad(M~))                          straight-through: value H, gradient dM~/dS
+
+Which layers H keeps is distributed as drawing k' layers without replacement with probabilities
+proportional to exp(S) (Plackett-Luce, the Gumbel-top-k trick); tau only shapes the gradient.
+"""
+import math
+
+import torch
+
+
+def gumbel_noise(shape, generator=None):
+    """g = -log(-log(u)), u ~ U(0, 1), drawn on the CPU in fp32 so that every rank and every device
+    type gets the same numbers from the same generator state (SPEC 2: ranks must agree)."""
+    u = torch.rand(shape, generator=generator, dtype=torch.float32)
+    tiny = torch.finfo(torch.float32).tiny
+    return -torch.log(-torch.log(u.clamp_min(tiny)))
+
+
+def soft_topk(perturbed, k, tau):
+    """The relaxed k-hot mask M~ of eq. 6: k rounds of softmax, each damping what it picked."""
+    s = perturbed
+    soft = torch.zeros_like(s)
+    tiny = torch.finfo(s.dtype).tiny
+    for _ in range(k):
+        p = torch.softmax(s / tau, dim=-1)
+        soft = soft + p
+        s = s + torch.log((1 - p).clamp_min(tiny))  # clamped: p can round to 1 and log 0 = -inf
+    return soft
+
+
+def gumbel_topk(scores, k, tau, generator=None):
+    """A k-hot layer mask sampled from the scores, shape of `scores`, values exactly 0.0 or 1.0,
+    with gradient d mask / d scores = d M~ / d scores (straight-through estimator)."""
+    s = scores.float()
+    perturbed = s + gumbel_noise(s.shape, generator).to(s.device)
+    soft = soft_topk(perturbed, k, tau)
+    hard = torch.zeros_like(soft).scatter_(-1, soft.topk(k, dim=-1).indices, 1.0)
+    # `soft - soft.detach()` is exactly 0.0 in the forward pass, so the value is exactly `hard`
+    # (the textbook `hard + soft - soft.detach()` can round to 0.99999994 or 5.96e-08).
+    return hard + (soft - soft.detach())
+
+
+def temperature(t, search_steps, beta=0.9):
+    """tau_t = 1 - beta * t / T_M for t = 1..T_M: from ~1 down to 1 - beta when the search ends."""
+    return 1.0 - beta * t / search_steps
+
+
+def kept_layers(t, search_steps, L, k):
+    """k'_t = L - ceil((L - k) * t / T_M): progressive pruning, reaching k when the search ends."""
+    return L - math.ceil((L - k) * t / search_steps)
