@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 CACHE_DIR = Path(os.environ.get("E3_CACHE", Path.home() / ".cache" / "e3-pruner"))
+TEACHER_CACHE_DIR = Path(os.environ.get("E3_TEACHER_CACHE", CACHE_DIR / "teacher"))  # prune.py's own caches
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_VAL_FRAC = 0.05  # the end of the corpus token stream, held out from training (split_stream)
 

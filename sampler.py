@@ -37,11 +37,14 @@ def soft_topk(perturbed, k, tau):
     return soft
 
 
-def gumbel_topk(scores, k, tau, generator=None):
+def gumbel_topk(scores, k, tau, generator=None, noise=None):
     """A k-hot layer mask sampled from the scores, shape of `scores`, values exactly 0.0 or 1.0,
-    with gradient d mask / d scores = d M~ / d scores (straight-through estimator)."""
+    with gradient d mask / d scores = d M~ / d scores (straight-through estimator).
+    `noise` (optional) reuses one Gumbel draw, e.g. for every micro-batch of an optimizer step."""
     s = scores.float()
-    perturbed = s + gumbel_noise(s.shape, generator).to(s.device)
+    if noise is None:
+        noise = gumbel_noise(s.shape, generator)
+    perturbed = s + noise.to(s.device)
     soft = soft_topk(perturbed, k, tau)
     hard = torch.zeros_like(soft).scatter_(-1, soft.topk(k, dim=-1).indices, 1.0)
     # `soft - soft.detach()` is exactly 0.0 in the forward pass, so the value is exactly `hard`

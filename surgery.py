@@ -89,6 +89,7 @@ class _Recorder:
 
     def __init__(self, layers):
         self.calls, self.outputs = {}, {}
+        self.active = True  # off while the skip-l runs call the same layers again
         self.handles = []
         for i, layer in enumerate(layers):
             self.handles.append(layer.register_forward_pre_hook(self._pre(i), with_kwargs=True))
@@ -96,12 +97,14 @@ class _Recorder:
 
     def _pre(self, i):
         def hook(module, args, kwargs):
-            self.calls[i] = (args, kwargs)
+            if self.active:
+                self.calls[i] = (args, kwargs)
         return hook
 
     def _post(self, i):
         def hook(module, args, output):
-            self.outputs[i] = output if torch.is_tensor(output) else output[0]
+            if self.active:
+                self.outputs[i] = output if torch.is_tensor(output) else output[0]
         return hook
 
     def remove(self):
@@ -150,11 +153,13 @@ def layer_importance(model, batches, method="kl", vocab=None, generator=None):
     try:
         for ids, attn, weight in batches:
             ids = ids.to(dev)
+            rec.active = True
             valid = torch.ones_like(ids, dtype=torch.bool) if attn is None else attn.to(dev).bool()
             valid &= bool(weight)
-            logits = model(input_ids=ids, attention_mask=None if attn is None else attn.to(dev)).logits
+            logits = model(input_ids=ids, attention_mask=None if attn is None else attn.to(dev), use_cache=False).logits
             if vocab:
                 logits = logits[..., :vocab]
+            rec.active = False
             for i in range(L):
                 if method == "bi":
                     x, y = _hidden(*rec.calls[i]), rec.outputs[i]

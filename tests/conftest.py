@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny random-init causal LMs of several architectures, saved like real checkpoints
+with the demo model's tokenizer, and the `slow` marker."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts live at the repo root
+
+import common  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes more than 30 s on a 2-core CPU; run with -m slow")
+
+
+def tiny_config(arch, layers=6, vocab=49152):
+    """A few-layer random config of each architecture the tests cover."""
+    from transformers import AutoConfig
+    shared = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=True, initializer_range=0.2)  # wide: layers matter, outputs peaked
+    if arch == "gemma3_text":
+        # 5 sliding + 1 full per 6 layers, window shorter than the test sequences
+        types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)]
+        shared.update(head_dim=8, sliding_window=4, layer_types=types, query_pre_attn_scalar=8)
+    if arch == "qwen3":
+        shared.update(head_dim=8)
+    if arch == "mistral":
+        shared.update(sliding_window=4)
+    return AutoConfig.for_model(arch, **shared)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(common.default_model())
+
+
+@pytest.fixture(scope="session")
+def make_tiny(tmp_path_factory, tokenizer):
+    """make_tiny(arch, layers=6, seed=0) -> folder with a random model and the demo tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    def make(arch="llama", layers=6, seed=0):
+        path = tmp_path_factory.getbasetemp() / f"tiny-{arch}-{layers}-{seed}"
+        if not (path / "config.json").exists():
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(tiny_config(arch, layers), dtype=torch.float32)
+            model.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+        return str(path)
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, tokenizer):
+    """Folder of a 2-layer, 64-wide random Llama with SmolLM2's tokenizer (vocabulary 49152). Weights are
+    drawn wider than HF's default (std 0.3) so the next-token distributions are peaked, not near-uniform."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, intermediate_size=128, initializer_range=0.3,
+                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                      tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
