@@ -39,7 +39,7 @@ import common
 from cache_teacher import TeacherCache, build_cache
 from common import E3Error, print0
 from kd import sft_loss, topk_kd_loss
-from sampler import gumbel_noise, gumbel_topk, kept_layers, temperature
+from sampler import expected_kept, gumbel_noise, gumbel_topk, hard_concrete, kept_layers, lagrangian, temperature
 from surgery import (LayerGates, decoder_layers, export, layer_importance, protected_layers, remove_layers,
                      top_k_layers)
 
@@ -66,7 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--protect-first", type=int, default=1, help="first layers never pruned")
     p.add_argument("--protect-last", type=int, default=1, help="last layers never pruned")
     # stage 2: Gumbel-TopK search
-    p.add_argument("--search", choices=["gumbel", "none"], default="gumbel")
+    p.add_argument("--search", choices=["gumbel", "none", "l0"], default="gumbel",
+                   help="none: freeze the initial top-k; l0: Sheared-LLaMA's hard-concrete baseline")
     p.add_argument("--search-frac", type=float, default=0.1, help="T_M / T")
     p.add_argument("--beta", type=float, default=0.9, help="tau anneals from 1 to 1 - beta")
     p.add_argument("--score-lr", type=float, default=0.05, help="Adam lr of the layer scores S")
@@ -269,12 +270,19 @@ def calibration_batches(args, tok, cache, rank, world):
         yield (seqs[i:i + 1], None, 1) if i < len(seqs) else (seqs[:1], None, 0)
 
 
-def sample_mask(scores, k_t, tau, protected, noise):
-    """Gumbel-TopK over the unprotected layers; protected layers are always kept (mask 1)."""
-    L = scores.shape[0]
-    free = [i for i in range(L) if i not in protected]
-    mask = torch.ones(L, device=scores.device)
-    sub = gumbel_topk(scores[free], k_t - len(protected), tau, noise=noise[free])
+def free_layers(L, protected):
+    return [i for i in range(L) if i not in protected]
+
+
+def sample_mask(method, scores, k_t, tau, protected, noise):
+    """The search mask over the unprotected layers (protected layers always 1): Gumbel-TopK with k'_t
+    ones (noise: Gumbel), or for the l0 baseline a hard-concrete sample (noise: uniform)."""
+    free = free_layers(scores.shape[0], protected)
+    if method == "gumbel":
+        sub = gumbel_topk(scores[free], k_t - len(protected), tau, noise=noise[free])
+    else:
+        sub = hard_concrete(scores[free], noise[free])
+    mask = torch.ones(scores.shape[0], device=scores.device)
     return mask.index_put((torch.tensor(free, device=scores.device),), sub)
 
 
@@ -401,7 +409,7 @@ def main(argv=None):
         (out / "run.json").write_text(json.dumps(run_identity(args), indent=1))
 
     T = args.steps
-    T_M = max(1, round(args.search_frac * T)) if args.search == "gumbel" and T > 0 else 0
+    T_M = max(1, round(args.search_frac * T)) if args.search != "none" and T > 0 else 0
     gen = torch.Generator().manual_seed(args.seed)  # Gumbel noise: same seed, same draws, every rank
     ckpt_path = newest_checkpoint(out) if args.resume else None
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True) if ckpt_path else None
@@ -415,13 +423,17 @@ def main(argv=None):
         init = init.float()
         log(event="importance", method=args.init, scores=init.tolist(), step=0)
         print0(f"importance ({args.init}): " + " ".join(f"{s:.3g}" for s in init.tolist()))
-        scores, kept, step, phase = init.clone(), None, 0, "search" if T_M else "finetune"
+        # Gumbel-TopK starts from the importance; Sheared-LLaMA's log-alphas start all-on (P(z>0) ~ 0.98)
+        scores = init.clone() if args.search != "l0" else torch.full((L,), 3.0)
+        kept, step, phase = None, 0, "search" if T_M else "finetune"
+        lambdas = torch.zeros(2)
         opt = make_optimizer(model, args)
     else:
         init, scores, kept, step, phase = ckpt["init_scores"], ckpt["scores"], ckpt["kept"], ckpt["step"], ckpt["phase"]
+        lambdas = ckpt["lambdas"]
         gen.set_state(ckpt["gen_state"])
         torch.set_rng_state(ckpt["torch_rng"])
-        score_state = ckpt["score_optim"]
+        score_state, lag_state = ckpt["score_optim"], ckpt["lag_optim"]
         if kept is not None:
             model, _ = build_model(args, device, ddp, kept)
         opt = make_optimizer(model, args)
@@ -431,8 +443,11 @@ def main(argv=None):
 
     scores = nn.Parameter(scores.to(device))
     score_opt = torch.optim.Adam([scores], lr=args.score_lr)  # SPEC 2: own lr, no weight decay
+    lambdas = nn.Parameter(lambdas.to(device))  # l0 baseline only: Lagrange multipliers, gradient ascent
+    lag_opt = torch.optim.Adam([lambdas], lr=args.score_lr, maximize=True)
     if phase == "search" and ckpt_path:
         score_opt.load_state_dict(score_state)
+        lag_opt.load_state_dict(lag_state)
     gates = LayerGates(model) if phase == "search" else None
     counter = LayerCallCounter()
     counter.attach(model)
@@ -474,7 +489,8 @@ def main(argv=None):
             group["lr"] = lr
         if phase == "search":
             tau, k_t = temperature(t, T_M, args.beta), kept_layers(t, T_M, L, args.keep)
-            noise = gumbel_noise(scores.shape, gen)  # one draw per step, shared by its micro-batches
+            # one draw per step, shared by its micro-batches, the same on every rank
+            noise = gumbel_noise(scores.shape, gen) if args.search == "gumbel" else torch.rand(L, generator=gen)
         counter.n = 0
         idx = rank_indices(step, args, cache.len_split("train"), rank, world)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -482,7 +498,7 @@ def main(argv=None):
             if is_fsdp(model):
                 model.set_requires_gradient_sync(m == n_micro - 1)  # reduce-scatter once per step
             if phase == "search":
-                gates.mask = sample_mask(scores, k_t, tau, protected, noise)
+                gates.mask = sample_mask(args.search, scores, k_t, tau, protected, noise)
             batch = to_device(cache.get(idx[m * args.micro_batch:(m + 1) * args.micro_batch]), device)
             loss = compute_loss(model, batch, args.loss, cache.vocab_size, device) / n_micro
             loss.backward()
@@ -499,6 +515,11 @@ def main(argv=None):
         if phase == "search":
             common.all_reduce_sum(scores.grad)  # scores live outside FSDP: average their gradient by hand
             scores.grad /= world
+            if args.search == "l0":  # steer the expected kept count to the same k'_t schedule
+                free = free_layers(L, protected)
+                lagrangian(expected_kept(scores[free]) + len(protected), k_t, lambdas).backward()
+                lag_opt.step()
+                lag_opt.zero_grad(set_to_none=True)
             mask = gates.mask.detach()
             score_opt.step()
             score_opt.zero_grad(set_to_none=True)
@@ -508,7 +529,8 @@ def main(argv=None):
         dt = time.time() - t_step
         log(event="train", step=t, phase=phase, loss=loss_avg, lr=lr, tokens=t * tokens_per_step,
             tok_per_s=tokens_per_step / dt, grad_norm=grad_norm.item(), layers_run=counter.n // n_micro)
-        extra = f" | tau {tau:.3f} | k' {k_t}" if phase == "search" else ""
+        extra = f" | tau {tau:.3f} | k' {k_t}" if phase == "search" and args.search == "gumbel" else \
+            f" | E[kept] target {k_t}" if phase == "search" else ""
         print0(f"step {t}/{T} | {phase} | loss {loss_avg:.4f} | lr {lr:.2e}{extra} | "
                f"{tokens_per_step / dt:.0f} tok/s | {time.time() - t0:.1f}s")
         if phase == "search" and t == T_M:
@@ -520,7 +542,8 @@ def main(argv=None):
         if t % args.ckpt_every == 0 and t < T:
             state = {"step": t, "phase": phase, "kept": kept, "scores": scores.detach().cpu(),
                      "init_scores": init, "gen_state": gen.get_state(), "torch_rng": torch.get_rng_state(),
-                     "score_optim": score_opt.state_dict()}
+                     "score_optim": score_opt.state_dict(), "lambdas": lambdas.detach().cpu(),
+                     "lag_optim": lag_opt.state_dict()}
             save_checkpoint(out / "checkpoints" / f"step_{t}.pt", model, opt, state, rank)
 
     if kept is None:  # --steps 0, or a search that ended at T (T_M == T)

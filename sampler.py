@@ -60,3 +60,30 @@ def temperature(t, search_steps, beta=0.9):
 def kept_layers(t, search_steps, L, k):
     """k'_t = L - ceil((L - k) * t / T_M): progressive pruning, reaching k when the search ends."""
     return L - math.ceil((L - k) * t / search_steps)
+
+
+# -----------------------------------------------------------------------------
+# Baseline: Sheared-LLaMA's hard-concrete layer masks (Louizos et al. 2018; Xia et al. 2024),
+# restricted to whole layers as the paper's comparison does. Unlike Gumbel-TopK the mask is soft in
+# the forward pass and the kept count is only steered, in expectation, by a Lagrangian.
+
+HC_BETA, HC_GAMMA, HC_ZETA = 2 / 3, -0.1, 1.1  # temperature and stretch interval of the hard concrete
+
+
+def hard_concrete(log_alpha, u):
+    """z in [0, 1] per layer from uniform noise u: a stretched, clamped binary-concrete sample
+    (exact 0 and 1 have probability mass, so z can switch a layer fully off or on)."""
+    u = u.clamp(1e-6, 1 - 1e-6)
+    s = torch.sigmoid((torch.log(u / (1 - u)).to(log_alpha.device) + log_alpha) / HC_BETA)
+    return (s * (HC_ZETA - HC_GAMMA) + HC_GAMMA).clamp(0.0, 1.0)
+
+
+def expected_kept(log_alpha):
+    """E[number of z != 0] = sum_l P(z_l > 0), the L0 norm in expectation."""
+    return torch.sigmoid(log_alpha - HC_BETA * math.log(-HC_GAMMA / HC_ZETA)).sum()
+
+
+def lagrangian(expected, target, lambdas):
+    """lambda_1 (E - t) + lambda_2 (E - t)^2: minimised by the masks, maximised by the lambdas."""
+    gap = expected - target
+    return lambdas[0] * gap + lambdas[1] * gap * gap

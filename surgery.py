@@ -160,12 +160,12 @@ def layer_importance(model, batches, method="kl", vocab=None, generator=None):
             if vocab:
                 logits = logits[..., :vocab]
             rec.active = False
+            logp = F.log_softmax(logits.float(), dim=-1) if method == "kl" else None
             for i in range(L):
                 if method == "bi":
                     x, y = _hidden(*rec.calls[i]), rec.outputs[i]
                     score = 1 - F.cosine_similarity(x.float(), y.float(), dim=-1)
                 elif method == "kl":
-                    logp = F.log_softmax(logits.float(), dim=-1)
                     score = _kl_per_token(_skip_layer_logits(model, layers, rec, i)[..., : logp.shape[-1]], logp)
                 else:
                     raise ValueError(f"unknown importance method {method!r}")

@@ -190,6 +190,16 @@ def test_cache_mismatch_and_unknown_architecture(make_tiny, corpus, tmp_path):
     assert_one_line_error(run(a, tmp_path, check=False), "shard")
 
 
+def test_sheared_llama_l0_baseline_runs(make_tiny, corpus, tmp_path):
+    out = tmp_path / "l0"
+    run(tiny_args(make_tiny("llama", L), corpus, out, "--search", "l0"), tmp_path)
+    search = events(out, "search")
+    assert [e["k"] for e in search][-1] == K and len(search) == 4
+    assert any(0 < m < 1 for e in search for m in e["mask"])  # soft masks in the forward pass
+    assert len(json.loads((out / "model" / "pruning.json").read_text())["kept_layers"]) == K
+    assert [e["layers_run"] for e in events(out, "train")][-1] == K
+
+
 def test_baseline_flag_sets_run(make_tiny, corpus, tmp_path):
     """ShortGPT (--init bi --search none --steps 0) prunes with no training and no teacher cache."""
     out = tmp_path / "shortgpt"

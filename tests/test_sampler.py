@@ -77,3 +77,13 @@ def test_schedules_reach_targets_when_search_ends():
     assert kept_layers(T_M, T_M, L, k) == k
     ks = [kept_layers(t, T_M, L, k) for t in range(1, T_M + 1)]
     assert ks[0] == L - 1 and all(a >= b for a, b in zip(ks, ks[1:]))  # progressive, never back up
+
+
+def test_hard_concrete_expected_l0_matches_monte_carlo():
+    """Sheared-LLaMA baseline: E[#(z > 0)] in closed form equals the frequency over many samples."""
+    from sampler import expected_kept, hard_concrete
+    log_alpha = torch.tensor([-2.0, -0.5, 0.0, 1.0, 3.0])
+    u = torch.rand(200_000, 5, generator=torch.Generator().manual_seed(0))
+    z = hard_concrete(log_alpha.expand(200_000, 5), u)
+    assert z.min() >= 0 and z.max() <= 1 and (z == 0).any() and (z == 1).any()
+    assert (z > 0).float().sum(-1).mean().item() == pytest.approx(expected_kept(log_alpha).item(), abs=0.01)

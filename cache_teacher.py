@@ -1,0 +1,372 @@
+"""
+Pre-compute the teacher's targets for offline top-K knowledge distillation (paper 3.3, SPEC 3).
+
+For every position of every packed sequence the teacher's prediction of the next token is stored: its
+top-K token ids, their log-probabilities under the FULL-vocabulary softmax, and the full-vocabulary
+entropy (nats), beside the input ids. prune.py reads them back with `TeacherCache`.
+
+    python cache_teacher.py                               # packaged SmolLM2-135M on the Shakespeare plays
+    python cache_teacher.py --model M --data D --out DIR [--topk 10 --seq-len 512 --max-tokens N]
+    torchrun --nproc_per_node 8 cache_teacher.py --model M --data D --out DIR
+
+--data is a .txt file, a folder of .txt/.md files, or a .jsonl file (--text-field). Documents are
+separated by EOS and packed into --seq-len blocks (common.token_stream, common.pack). The END of the token
+stream (--val-frac, common.split_stream) is held out as the validation split, capped at --max-val-tokens;
+--max-tokens caps the training split.
+
+What DIR holds:
+    train-00000.safetensors, ...   shard j of a split: its sequences [j*S, (j+1)*S), S = --shard-seqs, as
+    val-00000.safetensors, ...     input_ids (n,T), topk_ids (n,T,K), topk_logprobs (n,T,K), entropy (n,T)
+    meta.json                      identity (model, tokenizer, vocabulary, K, T, hash of the tokens), counts,
+                                   each shard's size and sha256. Written last: it exists == the cache is complete.
+Ids are uint16 when the vocabulary fits (<= 65536 ids), else int32; log-probabilities fp16, entropy fp32:
+46 bytes per token at K=10 (68 with int32 ids). fp16 because the KD-loss error it causes is negligible:
+tests/test_cache_teacher.py measures it on the default model (about 2e-5 relative; asserts < 1e-3).
+
+Scale and restarts: rank r of N computes the shards with index % N == r (plain data-parallel inference,
+every rank holds the model; bf16 on GPU, fp32 on CPU, logits upcast to fp32 before the softmax). Batches
+never straddle shards, so the cache does not depend on the number of ranks. A shard is written to a
+temporary file and renamed, so a killed run leaves only complete shards: rerun the same command and it
+verifies and skips them, computes the rest, and ends with the same cache as an uninterrupted run.
+"""
+import argparse
+import hashlib
+import json
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from common import (DEFAULT_VAL_FRAC, E3Error, default_corpus, init_distributed, load_model, model_fingerprint,
+                    pack, print0, read_documents, resolve_model, run_main, split_stream, token_stream,
+                    tokenizer_fingerprint, vocab_size)
+
+FORMAT = "e3-teacher-cache/1"
+SPLITS = ("train", "val")
+FIX_SHARD = "delete it and rerun the command that built the cache; it recomputes only the missing shards"
+
+
+def storage_dtypes(vocab):
+    """What each tensor is stored as. Ids fit uint16 for vocabularies up to 65536 (SmolLM2, Llama-2)."""
+    ids = torch.uint16 if vocab <= 65536 else torch.int32
+    return {"input_ids": ids, "topk_ids": ids, "topk_logprobs": torch.float16, "entropy": torch.float32}
+
+
+def shard_name(split, j):
+    return f"{split}-{j:05d}.safetensors"
+
+
+def corpus_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val_tokens):
+    """{"train": (N, T), "val": (M, T)} LongTensors: the packed training budget and the held-out end."""
+    train, val = split_stream(token_stream(tok, read_documents(data, text_field)), seq_len, val_frac)
+    blocks = {"train": pack(train, seq_len, max_tokens), "val": pack(val, seq_len, max_val_tokens)}
+    if len(blocks["train"]) == 0:
+        raise E3Error(f"--max-tokens {max_tokens} is less than one --seq-len {seq_len} block; raise it")
+    if val_frac > 0 and len(blocks["val"]) == 0:
+        raise E3Error(f"--max-val-tokens {max_val_tokens} is less than one --seq-len {seq_len} block; raise it "
+                      f"(or pass --val-frac 0 for no validation split)")
+    return blocks
+
+
+# -----------------------------------------------------------------------------
+# The targets
+
+@torch.no_grad()
+def teacher_targets(model, input_ids, vocab, topk):
+    """input_ids (B,T) -> topk_ids (B,T,K), topk_logprobs (B,T,K), entropy (B,T), on the model's device.
+
+    The LM head runs on chunks of tokens, so the logits of a whole batch (4 bytes x vocabulary per token
+    in fp32) never exist at once. On CPU the softmax passes then go through each chunk in slices small
+    enough to stay in cache, where they would otherwise be bound by memory bandwidth."""
+    h = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+    B, T, _ = h.shape
+    chunk, piece = (1024, 64) if h.device.type == "cpu" else (4096, 4096)
+    cap = getattr(model.config, "final_logit_softcapping", None)  # Gemma-2/3, as in their own forward
+    ids, logprobs, entropy = [], [], []
+    for hc in h.reshape(B * T, -1).split(chunk):
+        logits = model.get_output_embeddings()(hc)[:, :vocab]  # padding rows beyond the tokenizer go
+        for z in logits.split(piece):
+            z = z.float()
+            if cap is not None:
+                z = torch.tanh(z / cap) * cap
+            logp = F.log_softmax(z, dim=-1)
+            entropy.append(-torch.linalg.vecdot(logp.exp(), logp))
+            values, indices = logp.topk(topk, dim=-1)
+            logprobs.append(values)
+            ids.append(indices)
+    return {"topk_ids": torch.cat(ids).view(B, T, topk), "topk_logprobs": torch.cat(logprobs).view(B, T, topk),
+            "entropy": torch.cat(entropy).view(B, T)}
+
+
+class ShardWriter:
+    """Saves shards on a background thread so the forward passes never wait for the disk. The bounded
+    queue holds at most two finished shards. Each shard goes to a temporary file renamed into place,
+    so a killed run leaves either the whole shard or none of it."""
+
+    def __init__(self, identity):
+        self.metadata = {"e3_identity": json.dumps(identity, sort_keys=True)}
+        self.dtypes = storage_dtypes(identity["vocab_size"])
+        self.delay = float(os.environ.get("E3_CACHE_SHARD_DELAY", 0))  # lets the kill-and-resume test kill mid-run
+        self.queue, self.error = queue.Queue(maxsize=2), None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def put(self, path, tensors):
+        if self.error:
+            raise self.error
+        self.queue.put((path, tensors))
+
+    def close(self):
+        self.queue.put(None)
+        self.thread.join()
+        if self.error:
+            raise self.error
+
+    def _run(self):
+        while (item := self.queue.get()) is not None:
+            if self.error:  # keep draining so that put() never blocks forever
+                continue
+            path, tensors = item
+            try:
+                tmp = path.with_name(path.name + ".tmp")
+                save_file({k: v.to(self.dtypes[k]).contiguous() for k, v in tensors.items()}, tmp, self.metadata)
+                os.replace(tmp, path)
+                time.sleep(self.delay)
+            except Exception as e:
+                self.error = e
+
+
+def compute_shards(model, jobs, out, identity, batch_size, bar=None):
+    """Compute and save the shards `jobs` {(split, j): input_ids (n, T)}; returns the number of tokens done."""
+    vocab, topk = identity["vocab_size"], identity["topk"]
+    device = next(model.parameters()).device
+    writer, tokens = ShardWriter(identity), 0
+    try:
+        for (split, j), seqs in jobs.items():
+            parts = []
+            for batch in seqs.split(batch_size):
+                parts.append({k: v.cpu() for k, v in teacher_targets(model, batch.to(device), vocab, topk).items()})
+                tokens += batch.numel()
+                if bar is not None:
+                    bar.update(batch.numel())
+            writer.put(Path(out) / shard_name(split, j),
+                       {"input_ids": seqs, **{k: torch.cat([p[k] for p in parts]) for k in parts[0]}})
+    finally:
+        writer.close()
+    return tokens
+
+
+# -----------------------------------------------------------------------------
+# Building a cache: skip what is done, compute the rest, then meta.json
+
+def _sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _write_json_atomically(path, obj):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _refuse_other_cache(out, identity, found):
+    diff = [k for k in identity if found.get(k) != identity[k]]
+    if diff:
+        raise E3Error(f"'{out}' already holds a teacher cache made with another {', '.join(diff)}; "
+                      f"pass a different --out or delete that folder")
+
+
+def _complete(out, identity):
+    """True when meta.json says the same cache is complete and every shard has its recorded size."""
+    meta_path = out / "meta.json"
+    if not meta_path.exists():
+        return False
+    meta = json.loads(meta_path.read_text())
+    _refuse_other_cache(out, identity, meta)
+    return all((out / s["file"]).exists() and (out / s["file"]).stat().st_size == s["bytes"]
+               for split in SPLITS for s in meta["shards"][split])
+
+
+def _shard_done(path, identity, input_ids):
+    """A shard left by an earlier run counts when it opens, was made for this cache, and holds these inputs."""
+    if not path.exists():
+        return False
+    try:
+        with safe_open(path, "pt") as f:
+            found = json.loads(f.metadata()["e3_identity"])
+            _refuse_other_cache(path.parent, identity, found)
+            return torch.equal(f.get_tensor("input_ids").long(), input_ids)
+    except (SafetensorError, KeyError, json.JSONDecodeError):
+        return False  # unreadable: compute it again
+
+
+def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, seq_len=512, max_tokens=None,
+                val_frac=DEFAULT_VAL_FRAC, max_val_tokens=8192, text_field="text", batch_size=8, shard_seqs=64,
+                device=None):
+    """Build (or finish) the teacher cache in `out` and return its path. Does nothing when a complete
+    cache for the same model, tokenizer, data and settings is there; refuses (E3Error) when `out`
+    holds a different one. Under torchrun every rank calls it; it uses the process group that
+    common.init_distributed set up and leaves it in place."""
+    from transformers import AutoTokenizer
+    dist = torch.distributed.is_initialized()
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if dist else (0, 1)
+    if device is None:
+        device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+    out = Path(out)
+    try:  # the tokenizer alone tells whether there is work: the teacher is loaded only when there is
+        tok = AutoTokenizer.from_pretrained(resolve_model(model_name))
+    except (OSError, ValueError):
+        load_model(model_name)  # raises the one-line error for a missing or unloadable model
+        raise
+    vocab = vocab_size(tok)
+    blocks = corpus_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val_tokens)
+    identity = {
+        "format": FORMAT, "model": model_fingerprint(model_name), "tokenizer": tokenizer_fingerprint(tok),
+        "vocab_size": vocab, "topk": topk, "seq_len": seq_len, "shard_seqs": shard_seqs,
+        "dtypes": {k: str(v).removeprefix("torch.") for k, v in storage_dtypes(vocab).items()},
+        "sequences": {s: len(b) for s, b in blocks.items()},
+        "tokens_sha256": {s: hashlib.sha256(b.numpy().tobytes()).hexdigest() for s, b in blocks.items()}}
+    if _complete(out, identity):
+        print0(f"teacher cache '{out}' is complete; nothing to do")
+        return str(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = {(s, j): blocks[s][j * shard_seqs:(j + 1) * shard_seqs]  # views: shard j of split s
+              for s in SPLITS for j in range(-(-len(blocks[s]) // shard_seqs))}
+    mine = list(shards)[rank::world]
+    todo = [job for job in mine if not _shard_done(out / shard_name(*job), identity, shards[job])]
+    t0, tokens = time.time(), 0
+    if todo:
+        model, _ = load_model(model_name, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        total = sum(shards[job].numel() for job in todo)
+        with tqdm(total=total, unit="tok", unit_scale=True, desc="teacher targets", disable=rank != 0) as bar:
+            tokens = compute_shards(model.eval(), {job: shards[job] for job in todo}, out, identity, batch_size, bar)
+        del model
+    # every rank hashes its own shards; rank 0 writes meta.json once all are there
+    report = ({shard_name(*job): (os.path.getsize(out / shard_name(*job)), _sha256(out / shard_name(*job)))
+               for job in mine}, tokens, time.time() - t0)
+    reports = [report]
+    if dist:
+        reports = [None] * world
+        torch.distributed.all_gather_object(reports, report)
+    files = {name: v for r in reports for name, v in r[0].items()}
+    total_bytes = sum(size for size, _ in files.values())
+    n_tokens = sum(identity["sequences"].values()) * seq_len
+    listing = {s: [] for s in SPLITS}
+    for (s, j), seqs in shards.items():
+        size, sha = files[shard_name(s, j)]
+        listing[s].append({"file": shard_name(s, j), "sequences": len(seqs), "bytes": size, "sha256": sha})
+    if rank == 0:
+        _write_json_atomically(out / "meta.json", {
+            **identity, "data": str(data or default_corpus()), "max_tokens": max_tokens,
+            "val_frac": val_frac, "max_val_tokens": max_val_tokens,
+            "teacher_dtype": "bfloat16" if device.type == "cuda" else "float32",
+            "bytes_per_token": round(total_bytes / n_tokens, 2), "shards": listing})
+    if dist:
+        torch.distributed.barrier()  # no rank returns before meta.json is there
+    computed, seconds = sum(r[1] for r in reports), max(r[2] for r in reports)
+    print0(f"teacher cache '{out}': {identity['sequences']['train']} train + {identity['sequences']['val']} val "
+           f"sequences of {seq_len} tokens, {total_bytes / n_tokens:.1f} bytes/token; computed {computed} tokens "
+           f"in {seconds:.1f}s ({computed / max(seconds, 1e-9):.0f} tok/s on {world} rank(s))")
+    return str(out)
+
+
+# -----------------------------------------------------------------------------
+# Reading a cache
+
+class TeacherCache:
+    """A complete teacher cache, checked against the student's tokenizer (and K and the sequence length
+    when given) and for intact shards (size and sha256, once, here). Reads lazily: `get` memory-maps
+    only the rows it is asked for."""
+
+    OUT_DTYPES = {"input_ids": torch.int64, "topk_ids": torch.int64, "topk_logprobs": torch.float32,
+                  "entropy": torch.float32}
+
+    def __init__(self, path, tokenizer, seq_len=None, topk=None):
+        self.path = Path(path)
+        if not (self.path / "meta.json").exists():
+            raise E3Error(f"'{path}' holds no complete teacher cache (no meta.json); build or finish it with "
+                          f"python cache_teacher.py --out {path}")
+        self.meta = json.loads((self.path / "meta.json").read_text())
+        self.seq_len, self.topk, self.vocab_size = self.meta["seq_len"], self.meta["topk"], self.meta["vocab_size"]
+        made = f"teacher cache '{path}' was made"
+        if vocab_size(tokenizer) != self.vocab_size:
+            raise E3Error(f"{made} with a vocabulary of {self.vocab_size} tokens, the student's tokenizer has "
+                          f"{vocab_size(tokenizer)}; rebuild it with cache_teacher.py --model <the student's model>")
+        if tokenizer_fingerprint(tokenizer) != self.meta["tokenizer"]:
+            raise E3Error(f"{made} with another tokenizer ({self.meta['model']['model']}); rebuild it with "
+                          f"cache_teacher.py --model <the student's model>")
+        for name, want, have in (("topk", topk, self.topk), ("seq-len", seq_len, self.seq_len)):
+            if want is not None and want != have:
+                raise E3Error(f"{made} with --{name} {have}, not {want}; pass --{name} {have} or rebuild the "
+                              f"cache with --{name} {want}")
+        for split in SPLITS:
+            for s in self.meta["shards"][split]:
+                f = self.path / s["file"]
+                size = f.stat().st_size if f.exists() else 0
+                if size != s["bytes"]:
+                    raise E3Error(f"teacher cache shard '{f}' is missing or truncated ({size} of {s['bytes']} "
+                                  f"bytes); {FIX_SHARD}")
+                if _sha256(f) != s["sha256"]:
+                    raise E3Error(f"teacher cache shard '{f}' is corrupt (sha256 differs); {FIX_SHARD}")
+
+    def len_split(self, split):
+        return self.meta["sequences"][split]
+
+    def get(self, indices, split="train"):
+        """Rows `indices` (global sequence indices of `split`, any order) as a dict of tensors:
+        input_ids (n,T) int64, topk_ids (n,T,K) int64, topk_logprobs (n,T,K) float32, entropy (n,T) float32."""
+        indices = torch.as_tensor(indices, dtype=torch.long).reshape(-1).tolist()
+        n, T, K, S = len(indices), self.seq_len, self.topk, self.meta["shard_seqs"]
+        if any(not 0 <= i < self.len_split(split) for i in indices):
+            raise IndexError(f"sequence index out of range for the {self.len_split(split)} '{split}' sequences")
+        shapes = {"input_ids": (n, T), "topk_ids": (n, T, K), "topk_logprobs": (n, T, K), "entropy": (n, T)}
+        batch = {k: torch.empty(shapes[k], dtype=dtype) for k, dtype in self.OUT_DTYPES.items()}
+        rows_of = {}
+        for pos, i in enumerate(indices):
+            rows_of.setdefault(i // S, []).append((pos, i % S))
+        for j, rows in rows_of.items():
+            with safe_open(self.path / self.meta["shards"][split][j]["file"], "pt") as f:
+                for k in batch:
+                    stored = f.get_slice(k)
+                    for pos, r in rows:
+                        batch[k][pos] = stored[r:r + 1][0]  # the copy widens uint16/fp16 to int64/fp32
+        return batch
+
+
+# -----------------------------------------------------------------------------
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # teacher and data
+    p.add_argument("--model", default="default", help="teacher: HF folder or hub id (default: packaged SmolLM2-135M)")
+    p.add_argument("--data", default=None, help=".txt file, folder of .txt/.md, or .jsonl (default: packaged plays)")
+    p.add_argument("--text-field", default="text", help="field holding the text in a .jsonl file")
+    # what to cache
+    p.add_argument("--topk", type=int, default=10, help="K teacher tokens kept per position")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per packed sequence")
+    p.add_argument("--max-tokens", type=int, default=None, help="cap on training tokens (default: the whole split)")
+    p.add_argument("--val-frac", type=float, default=DEFAULT_VAL_FRAC, help="end of the corpus held out")
+    p.add_argument("--max-val-tokens", type=int, default=8192, help="cap on validation tokens given targets")
+    # output and throughput
+    p.add_argument("--out", default="out/teacher_cache", help="cache folder (a rerun resumes it)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass, per rank")
+    p.add_argument("--shard-seqs", type=int, default=64, help="sequences per shard: the unit of resumption")
+    args = p.parse_args()
+    for name in ("topk", "seq_len", "batch_size", "shard_seqs"):
+        if getattr(args, name) < 1:
+            raise E3Error(f"--{name.replace('_', '-')} must be at least 1")
+    _, _, device = init_distributed()
+    build_cache(args.model, args.data, args.out, args.topk, args.seq_len, args.max_tokens, args.val_frac,
+                args.max_val_tokens, args.text_field, args.batch_size, args.shard_seqs, device)
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,258 @@
+"""cache_teacher.py: targets against a float64 reference, data round trip, ranks, kill/resume, errors."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import cache_teacher
+import common
+import kd
+import surgery
+from cache_teacher import TeacherCache, build_cache
+
+REPO = Path(__file__).resolve().parents[1]
+V = 49152
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """Three short ASCII documents (Shakespeare) in a .jsonl file whose text field is 'body'."""
+    docs = [d[:1200].encode("ascii", "ignore").decode() for d in common.read_documents()[:3]]
+    path = tmp_path_factory.mktemp("corpus") / "plays.jsonl"
+    path.write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
+    return path, docs
+
+
+@pytest.fixture(scope="session")
+def ref(tiny_model, corpus, tmp_path_factory):
+    """The reference cache, built in this process (one rank): its build_cache arguments and its path.
+    Batches of 3 do not divide shards of 4 sequences, so batch boundaries are exercised too."""
+    args = dict(model_name=tiny_model, data=str(corpus[0]), text_field="body", seq_len=16, batch_size=3,
+                shard_seqs=4, out=str(tmp_path_factory.mktemp("ref") / "cache"))
+    build_cache(**args)
+    return args
+
+
+def cli(args, **override):
+    """The cache_teacher.py command line for build_cache arguments."""
+    a = {**args, **override}
+    return ["cache_teacher.py", "--model", a["model_name"], "--data", a["data"], "--text-field", a["text_field"],
+            "--seq-len", str(a["seq_len"]), "--batch-size", str(a["batch_size"]),
+            "--shard-seqs", str(a["shard_seqs"]), "--out", a["out"]]
+
+
+def run(cmd, **kw):
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, **kw)
+
+
+def shard_listing(out):
+    return json.loads((Path(out) / "meta.json").read_text())["shards"]
+
+
+def everything(cache):
+    return {s: cache.get(range(cache.len_split(s)), s) for s in ("train", "val")}
+
+
+def float64_reference(model_path, input_ids, vocab=V, k=10):
+    """Top-K log-probabilities and entropy straight from the full HF forward, in float64."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+    with torch.no_grad():
+        logp = F.log_softmax(model(input_ids=input_ids).logits[..., :vocab], dim=-1)
+    values, ids = logp.topk(k, dim=-1)
+    return ids, values, -(logp.exp() * logp).sum(-1)
+
+
+def assert_matches_float64(cache, model_path):
+    for split, got in everything(cache).items():
+        ids, logprobs, entropy = float64_reference(model_path, got["input_ids"])
+        assert torch.equal(got["topk_ids"], ids), split
+        # stored as fp16: rounding is at most 2^-11 relative; the fp32 computation adds ~1e-6
+        torch.testing.assert_close(got["topk_logprobs"].double(), logprobs, rtol=2 ** -11, atol=1e-5)
+        torch.testing.assert_close(got["entropy"].double(), entropy, rtol=1e-5, atol=1e-5)
+        assert (logprobs.exp().sum(-1) < 0.999).all(), "full-softmax values, not renormalised over the top K"
+
+
+def test_targets_equal_float64_full_vocabulary_reference(ref):
+    tok = AutoTokenizer.from_pretrained(ref["model_name"])
+    cache = TeacherCache(ref["out"], tok, seq_len=16, topk=10)
+    assert (cache.seq_len, cache.topk, cache.vocab_size) == (16, 10, V)
+    assert cache.meta["bytes_per_token"] <= 64
+    assert_matches_float64(cache, ref["model_name"])
+
+
+def test_logits_beyond_the_tokenizer_are_sliced_off(tiny_model, corpus, tmp_path):
+    """A checkpoint whose LM head has padding rows (vocabulary 49216 for a 49152-token tokenizer);
+    the padding rows are made to win the softmax, so keeping them would change every target."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    model.resize_token_embeddings(V + 64)
+    with torch.no_grad():
+        model.lm_head.weight[V:] = 3 * model.lm_head.weight[:64]
+    padded = tmp_path / "padded"
+    model.save_pretrained(padded)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(padded)
+    out = build_cache(str(padded), str(corpus[0]), tmp_path / "cache", text_field="body", seq_len=16,
+                      max_tokens=64, max_val_tokens=32)
+    cache = TeacherCache(out, AutoTokenizer.from_pretrained(padded))
+    full = float64_reference(padded, cache.get([0])["input_ids"], vocab=V + 64)[0]
+    assert (full >= V).any(), "the padding rows should dominate the unsliced softmax"
+    assert_matches_float64(cache, padded)
+
+
+def test_packed_ids_decode_to_the_corpus(ref, corpus):
+    tok = AutoTokenizer.from_pretrained(ref["model_name"])
+    cache = TeacherCache(ref["out"], tok)
+    text = "".join(d + tok.eos_token for d in corpus[1])  # documents separated by EOS
+    got = everything(cache)
+    decode = lambda ids: tok.decode(ids.flatten().tolist(), clean_up_tokenization_spaces=False)
+    train, val = decode(got["train"]["input_ids"]), decode(got["val"]["input_ids"])
+    assert len(train) > 2000 and text.startswith(train)
+    start = text.rfind(val)  # the validation split is the end of the stream, apart from training
+    assert start >= len(train) and len(tok(text[start + len(val):])["input_ids"]) <= cache.seq_len
+    assert cache.len_split("val") >= 4
+
+
+def test_get_reads_rows_in_any_order(ref):
+    cache = TeacherCache(ref["out"], AutoTokenizer.from_pretrained(ref["model_name"]))
+    n = cache.len_split("train")
+    full = cache.get(range(n))
+    order = [n - 1, 0, 5, 5, 2]
+    some = cache.get(order)
+    assert some["input_ids"].dtype == some["topk_ids"].dtype == torch.int64
+    assert some["topk_logprobs"].dtype == some["entropy"].dtype == torch.float32
+    assert some["topk_ids"].shape == (5, 16, 10) and some["entropy"].shape == (5, 16)
+    for k in full:
+        assert torch.equal(some[k], full[k][order])
+    with pytest.raises(IndexError):
+        cache.get([n])
+
+
+def test_complete_cache_is_skipped_without_loading_the_teacher(ref, monkeypatch):
+    def refuse(*a, **kw):
+        raise AssertionError("the teacher was loaded for a complete cache")
+    monkeypatch.setattr(cache_teacher, "load_model", refuse)
+    assert build_cache(**ref) == ref["out"]
+
+
+def test_a_different_cache_in_out_is_refused(ref):
+    with pytest.raises(common.E3Error, match="another topk"):
+        build_cache(**{**ref, "topk": 5})
+
+
+def test_cache_refuses_other_k_or_seq_len(ref):
+    tok = AutoTokenizer.from_pretrained(ref["model_name"])
+    with pytest.raises(common.E3Error, match="--topk 10, not 20"):
+        TeacherCache(ref["out"], tok, topk=20)
+    with pytest.raises(common.E3Error, match="--seq-len 16, not 32"):
+        TeacherCache(ref["out"], tok, seq_len=32)
+
+
+def test_truncated_shard_is_refused_then_recomputed(ref, tmp_path):
+    out = shutil.copytree(ref["out"], tmp_path / "cache")
+    shard = out / "train-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    tok = AutoTokenizer.from_pretrained(ref["model_name"])
+    with pytest.raises(common.E3Error, match="truncated"):
+        TeacherCache(out, tok)
+    build_cache(**{**ref, "out": str(out)})  # resumes: recomputes the damaged shard only
+    assert shard_listing(out) == shard_listing(ref["out"])
+
+
+def test_two_ranks_give_the_same_cache_as_one(ref, tmp_path):
+    out = str(tmp_path / "cache2")
+    r = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+             *cli(ref, out=out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert shard_listing(out) == shard_listing(ref["out"])  # same files, byte for byte (sha256)
+    tok = AutoTokenizer.from_pretrained(ref["model_name"])
+    a, b = everything(TeacherCache(out, tok)), everything(TeacherCache(ref["out"], tok))
+    for split in a:
+        for k in a[split]:
+            assert torch.equal(a[split][k], b[split][k])
+
+
+def test_sigkill_then_rerun_equals_an_uninterrupted_run(ref, tmp_path):
+    out = tmp_path / "cache"
+    env = {**os.environ, "E3_CACHE_SHARD_DELAY": "2"}  # the writer pauses after each shard
+    proc = subprocess.Popen([sys.executable, *cli(ref, out=str(out))], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = out / "train-00000.safetensors"
+    deadline = time.time() + 120
+    while not first.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert first.exists() and not (out / "meta.json").exists()
+    total = sum(len(v) for v in shard_listing(ref["out"]).values())
+    assert len(list(out.glob("*.safetensors"))) < total
+    stamp = first.stat().st_mtime_ns
+    r = run([sys.executable, *cli(ref, out=str(out))])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert first.stat().st_mtime_ns == stamp, "a finished shard was computed again"
+    assert shard_listing(out) == shard_listing(ref["out"])
+    assert not list(out.glob("*.tmp"))
+
+
+def _tokenizer_variant(tiny_model, path, change):
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    change(tok)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["missing data", "empty data", "truncated shard", "other vocabulary",
+                                  "other tokenizer"])
+def test_bad_input_ends_with_one_error_line(case, ref, tmp_path):
+    if case in ("missing data", "empty data"):
+        data = tmp_path / "none.txt"
+        if case == "empty data":
+            data.write_text("  \n")
+        cmd = [sys.executable, *cli(ref, data=str(data), out=str(tmp_path / "c"))]
+        expect = "does not exist" if case == "missing data" else "no text found"
+    else:
+        cache, tok = ref["out"], ref["model_name"]
+        if case == "truncated shard":
+            cache = shutil.copytree(ref["out"], tmp_path / "cache")
+            with open(cache / "val-00000.safetensors", "r+b") as f:
+                f.truncate(1000)
+            expect = "truncated"
+        elif case == "other vocabulary":
+            tok = _tokenizer_variant(tok, tmp_path / "tok", lambda t: t.add_tokens(["<extra>"]))
+            expect = "vocabulary"
+        else:
+            tok = _tokenizer_variant(tok, tmp_path / "tok", lambda t: setattr(t, "eos_token", "<|im_start|>"))
+            expect = "another tokenizer"
+        code = ("import sys; from transformers import AutoTokenizer; from common import run_main; "
+                "from cache_teacher import TeacherCache; "
+                "run_main(lambda: TeacherCache(sys.argv[1], AutoTokenizer.from_pretrained(sys.argv[2])))")
+        cmd = [sys.executable, "-c", code, str(cache), tok]
+    r = run(cmd)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert len(errors) == 1 and expect in errors[0], r.stderr[-3000:]
+
+
+def test_fp16_logprobs_change_the_kd_loss_negligibly():
+    """The measurement behind storing log-probabilities as fp16: on the default model and corpus, with a
+    student that lost 6 of its 30 layers, the kd and akd losses against fp16-rounded targets are within
+    1e-3 (relative) of those against the fp32 targets."""
+    model, tok = common.load_model(None)
+    ids = common.pack(common.token_stream(tok, common.read_documents()[:1]), 128)[10:12]
+    targets = cache_teacher.teacher_targets(model, ids, common.vocab_size(tok), 10)
+    surgery.remove_layers(model, [i for i in range(30) if i not in range(12, 18)])
+    with torch.no_grad():
+        student = model(input_ids=ids).logits
+    stored = cache_teacher.storage_dtypes(common.vocab_size(tok))["topk_logprobs"]
+    for entropy in (None, targets["entropy"]):
+        exact = kd.topk_kd_loss(student, targets["topk_ids"], targets["topk_logprobs"], entropy)
+        rounded = kd.topk_kd_loss(student, targets["topk_ids"], targets["topk_logprobs"].to(stored).float(), entropy)
+        assert exact > 0.05  # a real gap between student and teacher, so the ratio means something
+        assert abs(rounded / exact - 1) < 1e-3, (rounded.item(), exact.item())
