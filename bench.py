@@ -1,11 +1,17 @@
 """
-Benchmarks with a goal each. Every benchmark is a function `bench_<name>` that prints one line
-`name: value (goal ...)`; add new ones to BENCHES.
+Benchmarks with a goal each (issue: "performance targets go in benchmarks, never in timed unit tests").
+Every benchmark times two things side by side in one run, alternating, after a warm-up round, and prints
+one line `name: ratio (goal ...)` with the median of the per-round ratios.
 
-    python bench.py             # all of them
-    python bench.py caching     # some, by name
+    python bench.py                       # all six on the packaged SmolLM2-135M: a few minutes on a CPU
+    python bench.py search init           # some, by name
 
-They run on the packaged default model (SmolLM2-135M) with small settings: a minute or two on a 2-core CPU.
+    search    a Gumbel-TopK search step (all L layers run, masked) / a plain KD step of the same model
+    finetune  a fine-tuning step after pruning L -> k / a step of a fresh k-layer model of the same shape
+    offline   an offline KD step (cached teacher targets) / an online one that runs the teacher
+    caching   teacher-caching throughput / plain teacher-forward throughput; bytes per token
+    init      KL importance with prefix reuse / the naive L+1 full forwards
+    speedup   the exported k-layer model's prefill and decode speedup / the matmul-FLOP ideal
 """
 import statistics
 import sys
@@ -14,9 +20,19 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import common
+import evaluate
+import prune
 from cache_teacher import compute_shards
+from surgery import LayerGates, decoder_layers, export, layer_importance, remove_layers
+
+KEEP = 20  # the demo's 30 -> 20
+
+
+def _device():
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _sync(device):
@@ -24,48 +40,196 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def bench_caching(model_name=None, seq_len=256, batch_size=4, shards=2, shard_seqs=4, topk=10, repeats=5):
-    """Teacher-cache throughput (forward, top-K, entropy, writing the shards) over plain teacher-forward
-    throughput on the same model and batches, timed side by side and reported as the median ratio over
-    `repeats`; plus the size of the cache per token."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, tok = common.load_model(model_name, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+def side_by_side(a, b, repeats, device):
+    """Run a() and b() alternately, one warm-up round first. Returns the medians of a's and b's seconds
+    and the median over rounds of a's time / b's time (paired, so a slow moment mostly cancels)."""
+    ta, tb = [], []
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        a()
+        _sync(device)
+        t1 = time.perf_counter()
+        b()
+        _sync(device)
+        t2 = time.perf_counter()
+        if r:
+            ta.append(t1 - t0)
+            tb.append(t2 - t1)
+    return statistics.median(ta), statistics.median(tb), statistics.median(x / y for x, y in zip(ta, tb))
+
+
+def report(name, ratio, goal, what, detail):
+    print(f"{name}: {ratio:.3f} {what} (goal {goal}) [{detail}]", flush=True)
+
+
+def _corpus_blocks(tok, seq_len, n):
+    return common.pack(common.token_stream(tok, common.read_documents()[:1]), seq_len)[:n]
+
+
+def _kd_batch(teacher, tok, seq_len, batch, topk=10):
+    """A batch with real teacher targets, as cache_teacher.py stores them (but kept in memory)."""
+    ids = _corpus_blocks(tok, seq_len, batch).to(next(teacher.parameters()).device)
+    with torch.no_grad():
+        logp = F.log_softmax(teacher(input_ids=ids, use_cache=False).logits.float(), -1)
+    top_lp, top_ids = logp.topk(topk, -1)
+    return {"input_ids": ids, "topk_ids": top_ids, "topk_logprobs": top_lp, "entropy": -(logp.exp() * logp).sum(-1)}
+
+
+def _train_step(model, opt, batch, vocab, device):
+    loss = prune.compute_loss(model, batch, "akd", vocab, device)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _trainable(name=None, device=None):
+    model, tok = common.load_model(name, device)
+    model.config.use_cache = False
+    return model.train(), tok
+
+
+def bench_search(seq_len=128, batch=4, repeats=5):
+    """1. The paper calls the sampler's overhead negligible (Sheared-LLaMA's reaches 5x)."""
+    device = _device()
+    model, tok = _trainable(device=device)
+    L, vocab = len(decoder_layers(model)), common.vocab_size(tok)
+    b = _kd_batch(model, tok, seq_len, batch)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    scores = torch.nn.Parameter(torch.randn(L, device=device))
+    score_opt = torch.optim.Adam([scores], lr=0.05)
+    gen, protected = torch.Generator().manual_seed(0), [0, L - 1]
+
+    def search_step():
+        gates = LayerGates(model)
+        gates.mask = prune.sample_mask("gumbel", scores, 25, 0.5, protected, prune.gumbel_noise((L,), gen))
+        _train_step(model, opt, b, vocab, device)
+        score_opt.step()
+        score_opt.zero_grad(set_to_none=True)
+        gates.remove()
+
+    t_s, t_p, ratio = side_by_side(search_step, lambda: _train_step(model, opt, b, vocab, device), repeats, device)
+    report("search", ratio, "<= 1.03", "x a plain KD step", f"{t_s * 1e3:.0f} vs {t_p * 1e3:.0f} ms; {L} layers, "
+           f"k'=25, {batch}x{seq_len} tokens, {device}")
+
+
+def bench_finetune(seq_len=128, batch=4, repeats=5):
+    """2. After the search the pruned layers must cost nothing: not run, not in the optimizer."""
+    device = _device()
+    pruned, tok = _trainable(device=device)
+    vocab = common.vocab_size(tok)
+    b = _kd_batch(pruned, tok, seq_len, batch)
+    L = len(decoder_layers(pruned))
+    kept = [i for i in range(L) if i % 3 != 1][:KEEP]  # every third layer removed
+    remove_layers(pruned, kept)
+    prune.LayerCallCounter().attach(pruned)  # what prune.py leaves on the model after pruning
+    fresh = type(pruned)(pruned.config).to(device).train()  # same k-layer shape, never pruned
+    opt_p = torch.optim.AdamW([p for p in pruned.parameters() if p.requires_grad], lr=1e-6)
+    opt_f = torch.optim.AdamW(fresh.parameters(), lr=1e-6)
+    t_p, t_f, ratio = side_by_side(lambda: _train_step(pruned, opt_p, b, vocab, device),
+                                   lambda: _train_step(fresh, opt_f, b, vocab, device), repeats, device)
+    report("finetune", ratio, "<= 1.05", "x a fresh k-layer model's step", f"{t_p * 1e3:.0f} vs {t_f * 1e3:.0f} "
+           f"ms; {L} -> {len(kept)} layers, {batch}x{seq_len} tokens, {device}")
+
+
+def bench_offline(seq_len=128, batch=4, repeats=5):
+    """3. Offline KD needs no teacher forward: compare with the FLOP ideal 3 F_s / (3 F_s + F_t)."""
+    device = _device()
+    teacher, tok = common.load_model(None, device)
+    teacher.eval()
+    student, _ = _trainable(device=device)
+    L = len(decoder_layers(student))
+    remove_layers(student, list(range(KEEP)))
+    vocab = common.vocab_size(tok)
+    b = _kd_batch(teacher, tok, seq_len, batch)
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-6)
+
+    def online():
+        with torch.no_grad():
+            logp = F.log_softmax(teacher(input_ids=b["input_ids"], use_cache=False).logits[..., :vocab].float(), -1)
+            top_lp, top_ids = logp.topk(10, -1)
+            targets = {**b, "topk_ids": top_ids, "topk_logprobs": top_lp, "entropy": -(logp.exp() * logp).sum(-1)}
+        _train_step(student, opt, targets, vocab, device)
+
+    t_off, t_on, ratio = side_by_side(lambda: _train_step(student, opt, b, vocab, device), online, repeats, device)
+    fs, ft = sum(evaluate.linear_flops(student)), sum(evaluate.linear_flops(teacher))
+    report("offline", ratio, f"~ the FLOP ideal {3 * fs / (3 * fs + ft):.3f}", "x an online KD step",
+           f"{t_off * 1e3:.0f} vs {t_on * 1e3:.0f} ms; student {KEEP} of {L} layers, {batch}x{seq_len} tokens")
+
+
+def bench_caching(seq_len=256, batch_size=4, shards=2, shard_seqs=4, topk=10, repeats=5):
+    """4. Caching must not be slower than the teacher forward it wraps: top-K, entropy and writing overlap."""
+    device = _device()
+    model, tok = common.load_model(None, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     model.eval()
-    blocks = common.pack(common.token_stream(tok, common.read_documents()[:1]), seq_len)[:shards * shard_seqs]
+    blocks = _corpus_blocks(tok, seq_len, shards * shard_seqs)
     jobs = {("train", j): blocks[j * shard_seqs:(j + 1) * shard_seqs] for j in range(shards)}
     identity = {"vocab_size": common.vocab_size(tok), "topk": topk}
+    size = {}
 
+    @torch.no_grad()
     def plain():
-        with torch.no_grad():
-            for batch in blocks.split(batch_size):
-                model(input_ids=batch.to(device)).logits
-        _sync(device)
+        for batch in blocks.split(batch_size):
+            model(input_ids=batch.to(device)).logits
 
     def caching():
         with tempfile.TemporaryDirectory() as out:
             compute_shards(model, jobs, out, identity, batch_size)
-            _sync(device)
-            return sum(f.stat().st_size for f in Path(out).iterdir()) / blocks.numel()
+            size["bytes"] = sum(f.stat().st_size for f in Path(out).iterdir())
 
-    ratios, seconds = [], []
-    for r in range(repeats + 1):  # the first round warms up and is not counted
-        t0 = time.perf_counter()
-        plain()
-        t1 = time.perf_counter()
-        bytes_per_token = caching()
-        t2 = time.perf_counter()
-        if r:
-            ratios.append((t1 - t0) / (t2 - t1))
-            seconds.append((t1 - t0, t2 - t1))
+    t_cache, t_plain, ratio = side_by_side(caching, plain, repeats, device)
     n = blocks.numel()
-    plain_s, cache_s = (statistics.median(s) for s in zip(*seconds))
-    print(f"caching: {statistics.median(ratios):.3f} of plain-forward throughput (goal >= 0.9; "
-          f"{n / cache_s:.0f} vs {n / plain_s:.0f} tok/s), {bytes_per_token:.1f} bytes/token (goal <= 64 at "
-          f"K={topk}) [{common.default_model() if model_name is None else model_name}, {device}, "
-          f"{shards * shard_seqs}x{seq_len} tokens, median of {repeats}]", flush=True)
+    report("caching", 1 / ratio, ">= 0.9", "of plain-forward throughput", f"{n / t_cache:.0f} vs {n / t_plain:.0f} "
+           f"tok/s; {size['bytes'] / n:.1f} bytes/token (goal <= 64 at K={topk}); {shards * shard_seqs}x{seq_len} tokens")
 
 
-BENCHES = {"caching": bench_caching}
+def bench_init(seq_len=128, n_calib=2, repeats=3):
+    """5. Prefix reuse: the input of layer l is the same with and without layer l, so start there."""
+    device = _device()
+    model, tok = common.load_model(None, device)
+    model.eval()
+    L, vocab = len(decoder_layers(model)), common.vocab_size(tok)
+    seqs = _corpus_blocks(tok, seq_len, n_calib).to(device)
+    batches = [(seqs[i:i + 1], None, 1) for i in range(n_calib)]
+
+    @torch.no_grad()
+    def naive():  # L + 1 full forwards: the model, then each layer bypassed by a 0 in the masked forward
+        gates = LayerGates(model)
+        for ids, _, _ in batches:
+            logp = F.log_softmax(model(input_ids=ids, use_cache=False).logits[..., :vocab].float(), -1)
+            for l in range(L):
+                gates.mask = torch.ones(L, device=device).index_fill(0, torch.tensor([l], device=device), 0.0)
+                logq = F.log_softmax(model(input_ids=ids, use_cache=False).logits[..., :vocab].float(), -1)
+                (logq.exp() * (logq - logp)).sum(-1).mean()
+        gates.remove()
+
+    t_reuse, t_naive, ratio = side_by_side(lambda: layer_importance(model, batches, "kl", vocab), naive, repeats,
+                                           device)
+    report("init", ratio, "<= 0.6", "x the naive L+1 forwards", f"{t_reuse:.1f} vs {t_naive:.1f} s; {L} layers, "
+           f"{n_calib}x{seq_len} tokens")
+
+
+def bench_speedup(batch=1, prompt_len=512, gen_len=32, repeats=5):
+    """6. Layer pruning's promise: the speedup is the FLOP ratio. The pruned model is a real export."""
+    device = _device()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dense, tok = common.load_model(None, device, dtype)
+    L = len(decoder_layers(dense))
+    pruned, _ = common.load_model(None, "cpu")
+    keep = list(range(KEEP))
+    with tempfile.TemporaryDirectory() as out:
+        export(pruned, tok, Path(out) / "model", keep, L, {"source_model": "bench"})
+        pruned, _ = common.load_model(str(Path(out) / "model"), device, dtype)
+    times = evaluate.speed({"dense": dense.eval(), "pruned": pruned.eval()}, common.vocab_size(tok), batch,
+                           prompt_len, gen_len, repeats)
+    s = evaluate.speedups(times["dense"], times["pruned"])
+    for phase in ("prefill", "decode"):
+        report(f"speedup-{phase}", s[f"{phase}_speedup"] / s[f"{phase}_ideal"], ">= 0.95", "of the FLOP ideal",
+               f"measured {s[f'{phase}_speedup']:.3f}x vs ideal {s[f'{phase}_ideal']:.3f}x; {L} -> {KEEP} layers, "
+               f"batch {batch}, prompt {prompt_len}, {gen_len} new tokens, {device}")
+
+
+BENCHES = {"search": bench_search, "finetune": bench_finetune, "offline": bench_offline, "caching": bench_caching,
+           "init": bench_init, "speedup": bench_speedup}
 
 
 def main():

@@ -49,6 +49,8 @@ from common import (DEFAULT_VAL_FRAC, E3Error, default_corpus, init_distributed,
                     tokenizer_fingerprint, vocab_size)
 
 FORMAT = "e3-teacher-cache/1"
+VAL_SEQS = 32  # validation sequences given targets by default: enough for a stable validation loss
+DEMO_TOKENS = 40_960
 SPLITS = ("train", "val")
 FIX_SHARD = "delete it and rerun the command that built the cache; it recomputes only the missing shards"
 
@@ -209,7 +211,7 @@ def _shard_done(path, identity, input_ids):
 
 
 def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, seq_len=512, max_tokens=None,
-                val_frac=DEFAULT_VAL_FRAC, max_val_tokens=8192, text_field="text", batch_size=8, shard_seqs=64,
+                val_frac=DEFAULT_VAL_FRAC, max_val_tokens=None, text_field="text", batch_size=8, shard_seqs=64,
                 device=None):
     """Build (or finish) the teacher cache in `out` and return its path. Does nothing when a complete
     cache for the same model, tokenizer, data and settings is there; refuses (E3Error) when `out`
@@ -227,6 +229,7 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
         load_model(model_name)  # raises the one-line error for a missing or unloadable model
         raise
     vocab = vocab_size(tok)
+    max_val_tokens = max_val_tokens or VAL_SEQS * seq_len
     blocks = corpus_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val_tokens)
     identity = {
         "format": FORMAT, "model": model_fingerprint(model_name), "tokenizer": tokenizer_fingerprint(tok),
@@ -352,14 +355,18 @@ def main():
     # what to cache
     p.add_argument("--topk", type=int, default=10, help="K teacher tokens kept per position")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per packed sequence")
-    p.add_argument("--max-tokens", type=int, default=None, help="cap on training tokens (default: the whole split)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"cap on training tokens (default: the whole split; {DEMO_TOKENS} for the packaged demo)")
     p.add_argument("--val-frac", type=float, default=DEFAULT_VAL_FRAC, help="end of the corpus held out")
-    p.add_argument("--max-val-tokens", type=int, default=8192, help="cap on validation tokens given targets")
+    p.add_argument("--max-val-tokens", type=int, default=None,
+                   help=f"cap on validation tokens given targets (default {VAL_SEQS} sequences)")
     # output and throughput
     p.add_argument("--out", default="out/teacher_cache", help="cache folder (a rerun resumes it)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass, per rank")
     p.add_argument("--shard-seqs", type=int, default=64, help="sequences per shard: the unit of resumption")
     args = p.parse_args()
+    if args.model == "default" and args.max_tokens is None:
+        args.max_tokens = DEMO_TOKENS  # a few minutes on a CPU, the budget of `python prune.py`
     for name in ("topk", "seq_len", "batch_size", "shard_seqs"):
         if getattr(args, name) < 1:
             raise E3Error(f"--{name.replace('_', '-')} must be at least 1")

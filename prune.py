@@ -377,6 +377,7 @@ def default_cache_dir(args):
 # -----------------------------------------------------------------------------
 
 def main(argv=None):
+    t0 = time.time()
     args = parse_args(argv)
     rank, world, device = common.init_distributed()
     ddp = world > 1
@@ -414,7 +415,6 @@ def main(argv=None):
     ckpt_path = newest_checkpoint(out) if args.resume else None
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True) if ckpt_path else None
     log = Log(out / "log.jsonl", rank, ckpt["step"] if ckpt else None)
-    t0 = time.time()
 
     if ckpt is None:
         # ---- stage 1: importance initialisation (SPEC 1)
@@ -470,13 +470,20 @@ def main(argv=None):
         phase = "finetune"
         log(event="pruned", step=step, kept=kept)
         print0(f"pruned to {len(kept)} layers: kept {kept}")
+        if cache is not None:
+            summary["val_at_pruning"] = validate_and_log(step, "at pruning")
 
+    def validate_and_log(t, when):
+        kd_loss, ce = validate(model, cache, args, rank, world, device)
+        log(event="val", step=t, val_loss=kd_loss, val_ce=ce, when=when)
+        print0(f"val {when}: kd {kd_loss:.4f} ce {ce:.4f}")
+        return {"kd": round(kd_loss, 4), "ce": round(ce, 4)}
+
+    summary = {}
+    if cache is not None and not ckpt_path:
+        summary["val_dense"] = validate_and_log(step, "dense")
     if kept is None and phase == "finetune":
         prune_now()
-    val_before = validate(model, cache, args, rank, world, device) if T > 0 and not ckpt_path else None
-    if val_before:
-        log(event="val", step=step, val_loss=val_before[0], val_ce=val_before[1])
-        print0(f"val before training: kd {val_before[0]:.4f} ce {val_before[1]:.4f}")
 
     # ---- stages 2 and 3: the training loop (Algorithm 1)
     n_micro = args.batch_size // (world * args.micro_batch)
@@ -536,9 +543,7 @@ def main(argv=None):
         if phase == "search" and t == T_M:
             prune_now()
         if t % args.eval_every == 0 or t == T:
-            val = validate(model, cache, args, rank, world, device)
-            log(event="val", step=t, val_loss=val[0], val_ce=val[1])
-            print0(f"val step {t}: kd {val[0]:.4f} ce {val[1]:.4f}")
+            summary["val_final"] = validate_and_log(t, f"step {t}")
         if t % args.ckpt_every == 0 and t < T:
             state = {"step": t, "phase": phase, "kept": kept, "scores": scores.detach().cpu(),
                      "init_scores": init, "gen_state": gen.get_state(), "torch_rng": torch.get_rng_state(),
@@ -563,8 +568,7 @@ def main(argv=None):
                 "initial_scores": init.tolist(), "final_scores": scores.detach().cpu().tolist()}
         export(export_model, tok, out / "model", kept, L, info)
         summary = {"kept_layers": kept, "layers": f"{L} -> {len(kept)}", "tokens_trained": T * tokens_per_step,
-                   "val_before": val_before, "val_after": val if T > 0 else None,
-                   "minutes": round((time.time() - t0) / 60, 2), "model": str(out / "model")}
+                   **summary, "minutes": round((time.time() - t0) / 60, 2), "model": str(out / "model")}
         log(event="done", step=T, **summary)
         print0("done: " + json.dumps(summary))
     return model

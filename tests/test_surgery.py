@@ -125,3 +125,12 @@ def test_block_influence_matches_hidden_states(make_tiny):
     xs = list(hs[:5]) + [last_out[-1]]
     ref = [(1 - F.cosine_similarity(xs[l].double(), xs[l + 1].double(), dim=-1)).mean() for l in range(5)]
     torch.testing.assert_close(got, torch.stack(ref), rtol=1e-4, atol=1e-6)
+
+
+def test_architecture_without_decoder_layer_list_is_refused():
+    from transformers import AutoConfig
+    from common import E3Error
+    cfg = AutoConfig.for_model("mamba", vocab_size=64, hidden_size=16, num_hidden_layers=2, state_size=4)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(E3Error, match="decoder-layer list"):
+        decoder_layers(model)

