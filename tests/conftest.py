@@ -11,10 +11,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts live
 import common  # noqa: E402
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: takes more than 30 s on a 2-core CPU; run with -m slow")
-
-
 def tiny_config(arch, layers=6, vocab=49152):
     """A few-layer random config of each architecture the tests cover."""
     from transformers import AutoConfig

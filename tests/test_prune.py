@@ -113,12 +113,9 @@ def test_sigkill_then_resume_matches_uninterrupted(single_run, make_tiny, corpus
 
 def test_exported_logits_equal_training_model(make_tiny, corpus, tmp_path, monkeypatch):
     """In-process, with LoRA: the model in memory at the end == the exported checkpoint (LoRA merged)."""
-    monkeypatch.setenv("E3_TEACHER_CACHE", str(tmp_path / "teacher"))
-    import importlib
     import common
-    importlib.reload(common)
     import prune
-    importlib.reload(prune)
+    monkeypatch.setattr(common, "TEACHER_CACHE_DIR", tmp_path / "teacher")
     out = tmp_path / "run"
     model = prune.main(tiny_args(make_tiny("llama", L), corpus, out, "--lora-rank", "4"))
     ids = torch.randint(0, 49152, (2, 20), generator=torch.Generator().manual_seed(0))
