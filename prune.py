@@ -519,6 +519,8 @@ def main(argv=None):
         opt.step()
         opt.zero_grad(set_to_none=True)
         if phase == "search":
+            if scores.grad is None:  # k'_t = the protected layers alone: the mask did not depend on S
+                scores.grad = torch.zeros_like(scores)
             common.all_reduce_sum(scores.grad)  # scores live outside FSDP: average their gradient by hand
             scores.grad /= world
             if args.search == "l0":  # steer the expected kept count to the same k'_t schedule

@@ -54,9 +54,9 @@ def _replace_hidden(output, new):
 class LayerGates:
     """Forward hooks that turn every decoder layer l into   out = x + m_l * (layer(x) - x).
 
-    Written as m*layer(x) + (1-m)*x, which is the same function and the same gradient
-    d out / d m = layer(x) - x, but gives the layer's output bit-exactly when m = 1 and the input
-    bit-exactly when m = 0, so a hard-masked model and the physically pruned model agree exactly.
+    Computed by torch.lerp(x, layer(x), m): the same function and gradient d out / d m = layer(x) - x in
+    one fused kernel, and exact at the ends (lerp returns the layer's output bit-exactly when m = 1 and
+    the input when m = 0), so a hard-masked model and the physically pruned model agree exactly.
     A layer with m_l = 0 still runs: its delta is the gradient signal for its score (SPEC 2).
     `mask = None` switches the gates off. Hooks keep the state-dict keys and FSDP units untouched.
     """
@@ -72,8 +72,7 @@ class LayerGates:
                 return None
             x = _hidden(args, kwargs)
             y = output if torch.is_tensor(output) else output[0]
-            m = self.mask[i].to(y.dtype)
-            return _replace_hidden(output, m * y + (1 - m) * x)
+            return _replace_hidden(output, torch.lerp(x, y, self.mask[i].to(y.dtype)))
         return gate
 
     def remove(self):

@@ -206,3 +206,11 @@ def test_baseline_flag_sets_run(make_tiny, corpus, tmp_path):
     free = sorted(range(1, L - 1), key=lambda i: -init[i])[: K - 2]
     assert meta["kept_layers"] == sorted([0, L - 1] + free)  # top-k of BI, protected layers kept
     assert not (tmp_path / "teacher").exists()
+
+
+def test_keep_only_the_protected_layers(make_tiny, corpus, tmp_path):
+    """k'_t reaches the protected count: the free layers' mask no longer depends on the scores."""
+    out = tmp_path / "k2"
+    a = tiny_args(make_tiny("llama", L), corpus, out, "--keep", "2", "--steps", "4")
+    run(a, tmp_path)
+    assert json.loads((out / "model" / "pruning.json").read_text())["kept_layers"] == [0, L - 1]
