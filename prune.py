@@ -216,15 +216,24 @@ def to_device(batch, device):
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def compute_loss(model, batch, kind, vocab, device):
-    """The training objective on one micro-batch (SPEC 3). Student logits are sliced to the
-    tokenizer's vocabulary (some checkpoints pad the embedding) and upcast inside kd.py."""
+def student_logits(model, batch, vocab, device):
+    """Student logits sliced to the tokenizer's vocabulary (some checkpoints pad the embedding);
+    bf16 autocast on one GPU (FSDP has its own mixed precision), upcast to fp32 inside kd.py."""
     with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda" and not is_fsdp(model)):
-        logits = model(input_ids=batch["input_ids"], use_cache=False).logits[..., :vocab]
+        return model(input_ids=batch["input_ids"], use_cache=False).logits[..., :vocab]
+
+
+def loss_from_logits(logits, batch, kind):
+    """The training objective (SPEC 3): akd, kd or sft."""
     if kind == "sft":
         return sft_loss(logits, batch["input_ids"])
     entropy = batch["entropy"] if kind == "akd" else None
     return topk_kd_loss(logits, batch["topk_ids"], batch["topk_logprobs"], entropy)
+
+
+def compute_loss(model, batch, kind, vocab, device):
+    """The training objective on one micro-batch."""
+    return loss_from_logits(student_logits(model, batch, vocab, device), batch, kind)
 
 
 def is_fsdp(model):
@@ -243,8 +252,8 @@ def validate(model, cache, args, rank, world, device):
         idx = [rank * per_rank + i for i in range(a, min(a + args.micro_batch, per_rank))]
         real = [i for i in idx if i < n]
         batch = to_device(cache.get(real or [0], "val"), device)
-        kd_loss = compute_loss(model, batch, "kd", cache.vocab_size, device)
-        ce = compute_loss(model, batch, "sft", cache.vocab_size, device)
+        logits = student_logits(model, batch, cache.vocab_size, device)  # one forward, both numbers
+        kd_loss, ce = loss_from_logits(logits, batch, "kd"), loss_from_logits(logits, batch, "sft")
         w = len(real)
         totals += torch.tensor([kd_loss.item() * w, ce.item() * w, w], dtype=torch.float64, device=device)
     common.all_reduce_sum(totals)
