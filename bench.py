@@ -43,6 +43,8 @@ def _sync(device):
 def side_by_side(a, b, repeats, device):
     """Run a() and b() alternately, one warm-up round first. Returns the medians of a's and b's seconds
     and the median over rounds of a's time / b's time (paired, so a slow moment mostly cancels)."""
+    # Alternating a, b, a, b (not all a's then all b's) pairs each a with a b taken moments later: on a
+    # noisy machine both see the same background load, so the per-round ratio is steadier than either time.
     ta, tb = [], []
     for r in range(repeats + 1):
         t0 = time.perf_counter()
@@ -52,7 +54,7 @@ def side_by_side(a, b, repeats, device):
         b()
         _sync(device)
         t2 = time.perf_counter()
-        if r:
+        if r:  # round 0 is the warm-up: allocator, kernel selection, first-touch page faults
             ta.append(t1 - t0)
             tb.append(t2 - t1)
     return statistics.median(ta), statistics.median(tb), statistics.median(x / y for x, y in zip(ta, tb))
@@ -68,6 +70,7 @@ def _corpus_blocks(tok, seq_len, n):
 
 def _kd_batch(teacher, tok, seq_len, batch, topk=10):
     """A batch with real teacher targets, as cache_teacher.py stores them (but kept in memory)."""
+    # real text, not random ids: the KD loss' top-K gather and the entropy weights then look like training
     ids = _corpus_blocks(tok, seq_len, batch).to(next(teacher.parameters()).device)
     with torch.no_grad():
         logp = F.log_softmax(teacher(input_ids=ids, use_cache=False).logits.float(), -1)
@@ -99,6 +102,9 @@ def bench_search(seq_len=128, batch=4, repeats=5):
     score_opt = torch.optim.Adam([scores], lr=0.05)
     gen, protected = torch.Generator().manual_seed(0), [0, L - 1]
 
+    # Both sides take a full optimizer step on the same L-layer model and batch; the search side adds what
+    # the method adds: hooks on every layer, one Gumbel-TopK sample (k'=25 of 30, mid-search) and the
+    # score update. Gates are attached per step so the plain step runs without hooks.
     def search_step():
         gates = LayerGates(model)
         gates.mask = prune.sample_mask("gumbel", scores, 25, 0.5, protected, prune.gumbel_noise((L,), gen))
@@ -120,6 +126,8 @@ def bench_finetune(seq_len=128, batch=4, repeats=5):
     b = _kd_batch(pruned, tok, seq_len, batch)
     L = len(decoder_layers(pruned))
     kept = [i for i in range(L) if i % 3 != 1][:KEEP]  # every third layer removed
+    # Removal leaves the dropped layers' memory to the garbage collector and the kept layers at their
+    # old addresses; a ratio near 1 says nothing of the pruning leaks into the step.
     remove_layers(pruned, kept)
     prune.LayerCallCounter().attach(pruned)  # what prune.py leaves on the model after pruning
     fresh = type(pruned)(pruned.config).to(device).train()  # same k-layer shape, never pruned
@@ -143,6 +151,8 @@ def bench_offline(seq_len=128, batch=4, repeats=5):
     b = _kd_batch(teacher, tok, seq_len, batch)
     opt = torch.optim.AdamW(student.parameters(), lr=1e-6)
 
+    # forward+backward of the student costs ~3 F_s, a teacher forward F_t: offline KD saves exactly
+    # the teacher term, so offline/online should sit at 3 F_s / (3 F_s + F_t), not at some fixed goal
     def online():
         with torch.no_grad():
             logp = F.log_softmax(teacher(input_ids=b["input_ids"], use_cache=False).logits[..., :vocab].float(), -1)
@@ -177,6 +187,7 @@ def bench_caching(seq_len=256, batch_size=4, shards=2, shard_seqs=4, topk=10, re
             size["bytes"] = sum(f.stat().st_size for f in Path(out).iterdir())
 
     t_cache, t_plain, ratio = side_by_side(caching, plain, repeats, device)
+    # reported as throughput (plain time / caching time) so that ">= 0.9" reads as "loses at most 10%"
     n = blocks.numel()
     report("caching", 1 / ratio, ">= 0.9", "of plain-forward throughput", f"{n / t_cache:.0f} vs {n / t_plain:.0f} "
            f"tok/s; {size['bytes'] / n:.1f} bytes/token (goal <= 64 at K={topk}); {shards * shard_seqs}x{seq_len} tokens")
@@ -188,6 +199,8 @@ def bench_init(seq_len=128, n_calib=2, repeats=3):
     model, tok = common.load_model(None, device)
     model.eval()
     L, vocab = len(decoder_layers(model)), common.vocab_size(tok)
+    # L(L+1) layer calls naive vs ~L^2/2 + L with reuse; the LM head runs L+1 times either way, so the
+    # ratio sits a little above the layer-call ideal of ~0.5
     seqs = _corpus_blocks(tok, seq_len, n_calib).to(device)
     batches = [(seqs[i:i + 1], None, 1) for i in range(n_calib)]
 
@@ -215,7 +228,9 @@ def bench_speedup(batch=1, prompt_len=512, gen_len=32, repeats=5):
     dense, tok = common.load_model(None, device, dtype)
     L = len(decoder_layers(dense))
     pruned, _ = common.load_model(None, "cpu")
-    keep = list(range(KEEP))
+    keep = list(range(KEEP))  # which layers does not matter for speed; the files must be a real export
+    # the ideal is the ratio of matmul FLOPs (evaluate.speed): the LM head stays, so for 20/30 layers
+    # prefill (head on the last position only) is ~1.5x but decode (head on every token) only ~1.36x
     with tempfile.TemporaryDirectory() as out:
         export(pruned, tok, Path(out) / "model", keep, L, {"source_model": "bench"})
         pruned, _ = common.load_model(str(Path(out) / "model"), device, dtype)

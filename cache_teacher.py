@@ -98,7 +98,9 @@ def teacher_targets(model, input_ids, vocab, topk):
             z = z.float()
             if cap is not None:
                 z = torch.tanh(z / cap) * cap
-            logp = F.log_softmax(z, dim=-1)
+            logp = F.log_softmax(z, dim=-1)  # over the FULL vocabulary: top-K values stay true log-probs
+            # H_t = -sum_v p log p (eq. 12), the AKD token weight; it needs every p, so it is taken here, not
+            # from the K stored values (which would cap it at ln K)
             entropy.append(-torch.linalg.vecdot(logp.exp(), logp))
             values, indices = logp.topk(topk, dim=-1)
             logprobs.append(values)
@@ -158,6 +160,7 @@ def compute_shards(model, jobs, out, identity, batch_size, bar=None):
                 tokens += batch.numel()
                 if bar is not None:
                     bar.update(batch.numel())
+            # the forward of the next shard starts while this one is written (ShardWriter's thread)
             writer.put(Path(out) / shard_name(split, j),
                        {"input_ids": seqs, **{k: torch.cat([p[k] for p in parts]) for k in parts[0]}})
     finally:

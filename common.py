@@ -115,9 +115,11 @@ def resolve_model(name):
     return default_model() if name in (None, "", "default") else name
 
 
-def load_model(name, device="cpu", dtype=torch.float32):
-    """(model, tokenizer) from a local folder or hub id, with a one-line error when it can't be had."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(name, device="cpu", dtype=torch.float32, weights=True):
+    """(model, tokenizer) from a local folder or hub id, with a one-line error when it can't be had.
+    weights=False builds the same model on the meta device from its config alone: no memory, no reads
+    (prune.py's ranks > 0 under FSDP, which receive their shards from rank 0)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     name = resolve_model(name)
     local = Path(name)
     if (name.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").exists():
@@ -125,7 +127,11 @@ def load_model(name, device="cpu", dtype=torch.float32):
                       f"Hugging Face checkpoint folder or hub id")
     try:
         tok = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
+        else:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(name), dtype=dtype)
     except (OSError, ValueError) as e:
         raise E3Error(f"cannot load model '{name}' ({str(e).splitlines()[0]}); pass --model with a local "
                       f"checkpoint folder or a hub id you can download") from None

@@ -153,10 +153,14 @@ def quality(model, blocks, vocab, teacher=None, batch_size=1):
         b = b.to(dev)
         target = b[:, 1:].unsqueeze(-1)
         logp = next_token_logprobs(model, b, vocab)
+        # .item() per batch keeps the running sums in float64 on the host: 10^5+ fp32 token terms would
+        # drift in the 4th digit, which is where pruned models differ
         sums[0] -= logp.gather(-1, target).double().sum().item()
         if teacher is not None:
             logq = next_token_logprobs(teacher, b, vocab)
             sums[1] -= logq.gather(-1, target).double().sum().item()
+            # KL(teacher || model): the direction the KD loss minimises (the student must cover the teacher's
+            # mass), over the full vocabulary, unlike the top-K training loss
             sums[2] += (logq.exp() * (logq - logp)).sum(-1).double().sum().item()
             sums[3] += (logq.argmax(-1) == logp.argmax(-1)).sum().item()
     n = blocks.shape[0] * (blocks.shape[1] - 1)
@@ -203,6 +207,8 @@ def greedy(model, prompts, gen_len, clock):
     if clock.cuda:
         torch.cuda.synchronize()  # nothing queued earlier may land in the prefill time
     t0 = clock.now()
+    # a hand-written loop rather than generate(): generate() adds logits processors, stopping criteria and
+    # cache set-up whose fixed cost per token would blur the layer-count speedup being measured
     out = model(input_ids=prompts, use_cache=True, logits_to_keep=1)
     tokens = [out.logits[:, -1].argmax(-1, keepdim=True)]
     t1 = clock.now()
@@ -221,6 +227,7 @@ def speed(models, vocab, batch, prompt_len, gen_len, repeats, warmup=1, seed=0):
     prompts = torch.randint(vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(seed)).to(dev)
     clock, times = Clock(dev), {name: [] for name in models}
     for r in range(warmup + repeats):
+        # order A B, B A, A B, ...: neither model always runs right after the other's cache traffic
         for name in list(models)[::(-1) ** r]:
             ttft, tpot, _ = greedy(models[name], prompts, gen_len, clock)
             if r >= warmup:

@@ -100,6 +100,8 @@ def parse_args(argv=None):
 
 
 def resolve_steps(a):
+    # T is the one schedule length everything hangs off (LR, tau, k'); a token budget is the fairer way to
+    # compare methods, so --tokens converts to steps, and the paper's 1200 steps are the fallback.
     if a.steps is None:
         a.steps = math.ceil(a.tokens / (a.batch_size * a.seq_len)) if a.tokens else 1200
 
@@ -108,6 +110,8 @@ def resolve_steps(a):
 # Learning rate: linear warm-up, cosine decay to lr/10 at T (SPEC 4)
 
 def get_lr(step, args):
+    # three branches as in nanoGPT: warm-up, after the end, cosine in between (floor lr/10, not 0,
+    # so the last steps of a short run still learn)
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     if step >= args.steps:
@@ -123,10 +127,11 @@ class LoRA(nn.Module):
     """weight -> weight + (alpha / r) * B @ A, as a parametrization: the HF module tree stays as it is,
     the base weight is frozen, and merging at export is weight + scale * B @ A (see merge_lora)."""
 
-    def __init__(self, weight, rank, alpha):
+    def __init__(self, weight, rank, alpha, generator):
         super().__init__()
-        self.A = nn.Parameter(torch.randn(rank, weight.shape[1], dtype=weight.dtype) / math.sqrt(weight.shape[1]))
-        self.B = nn.Parameter(torch.zeros(weight.shape[0], rank, dtype=weight.dtype))  # starts as a no-op
+        A = torch.randn(rank, weight.shape[1], generator=generator, dtype=weight.dtype) / math.sqrt(weight.shape[1])
+        self.A = nn.Parameter(A.to(weight.device))  # on the meta device too, when the weight is
+        self.B = nn.Parameter(torch.zeros(weight.shape[0], rank, dtype=weight.dtype, device=weight.device))  # no-op
         self.scale = alpha / rank
 
     def forward(self, weight):
@@ -134,13 +139,15 @@ class LoRA(nn.Module):
 
 
 def add_lora(model, rank, alpha, seed):
-    torch.manual_seed(seed)
+    # Every weight freezes, embeddings and norms included; only the adapters of the decoder layers'
+    # linear maps train (SPEC 4). Seeded so that every run builds identical A factors.
+    gen = torch.Generator().manual_seed(seed)
     for p in model.parameters():
         p.requires_grad_(False)
     for layer in decoder_layers(model):
         for mod in list(layer.modules()):
             if isinstance(mod, nn.Linear):
-                parametrize.register_parametrization(mod, "weight", LoRA(mod.weight, rank, alpha))
+                parametrize.register_parametrization(mod, "weight", LoRA(mod.weight, rank, alpha, gen))
                 mod.parametrizations.weight.original.requires_grad_(False)
 
 
@@ -162,6 +169,8 @@ def shard(model, device):
     embeddings stay together). bf16 compute with fp32 master weights and fp32 gradient reduction on
     GPU; plain fp32 on CPU (gloo)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    # Per-layer units let FSDP all-gather one layer while the previous one computes, and let the pruned
+    # layers' units simply disappear from the module tree after the search (remove_layers).
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" else MixedPrecisionPolicy()
     for layer in decoder_layers(model):
@@ -174,16 +183,35 @@ def make_optimizer(model, args, state=None):
     """AdamW over the trainable weights (created after sharding, so it holds the shards). `state`
     carries Adam's moments over when the pruned layers leave the optimizer."""
     params = [p for p in model.parameters() if p.requires_grad]
+    # betas (0.9, 0.95): the usual LLM fine-tuning choice (the paper names only AdamW and the lr)
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     if state is not None:
+        # the kept layers are the same Parameter objects before and after pruning, so their moments
+        # carry over; a fresh optimizer would restart Adam's bias correction mid-schedule
         for p in params:
             if p in state:
                 opt.state[p] = state[p]
     return opt
 
 
-def build_model(args, device, ddp, kept=None):
-    model, tok = common.load_model(args.model, "cpu", torch.float32)  # fp32 master weights
+def fill_from_rank0(model, full_state, rank, device):
+    """Give every rank its shards of rank 0's weights: the other ranks built the model on the meta device,
+    so the host holds one full copy of the checkpoint instead of one per rank (8 x 27 GB for a 7B model in
+    fp32 under the headline command). Buffers (e.g. rotary inv_freq) are not sharded and, when not
+    persistent, not in the state dict: they are broadcast whole."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    if rank > 0:
+        model.to_empty(device=device)  # real (uninitialised) shards and buffers; FSDP keeps tied weights tied
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for buf in model.buffers():  # the same order on every rank
+        torch.distributed.broadcast(buf, src=0)
+
+
+def build_model(args, device, rank, world, kept=None):
+    """The student in fp32 (the master weights), as this run trains it: pruned to `kept` when resuming
+    after the search, with LoRA and checkpointing when asked, FSDP2-sharded under torchrun."""
+    ddp = world > 1
+    model, tok = common.load_model(args.model, "cpu", torch.float32, weights=rank == 0)
     model.config.use_cache = False
     if kept is not None:  # resuming after the search: rebuild the pruned shape
         remove_layers(model, kept)
@@ -191,7 +219,10 @@ def build_model(args, device, ddp, kept=None):
         add_lora(model, args.lora_rank, args.lora_alpha, args.seed)
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = shard(model, device) if ddp else model.to(device)
+    if not ddp:
+        return model.to(device).train(), tok
+    full_state = model.state_dict() if rank == 0 else {}  # holds the full tensors while shard() splits them
+    fill_from_rank0(shard(model, device), full_state, rank, device)
     return model.train(), tok
 
 
@@ -201,6 +232,8 @@ def build_model(args, device, ddp, kept=None):
 def rank_indices(step, args, n, rank, world):
     """The sequence indices this rank trains on at `step`: the global batch is a slice of a seeded
     permutation (one per epoch), split evenly over ranks, so 1 or N ranks see the same global batch."""
+    # No DistributedSampler: the index of every global batch is a pure function of (seed, step), so a
+    # resume or a different number of ranks picks up exactly the same sequences.
     start = step * args.batch_size
     epoch, offset = divmod(start, n)
     idx = []
@@ -251,6 +284,8 @@ def validate(model, cache, args, rank, world, device):
     for a in range(0, per_rank, args.micro_batch):
         idx = [rank * per_rank + i for i in range(a, min(a + args.micro_batch, per_rank))]
         real = [i for i in idx if i < n]
+        # a rank past the end still runs a (dummy) forward with weight 0: under FSDP every rank must
+        # join every all-gather, or the others hang
         batch = to_device(cache.get(real or [0], "val"), device)
         logits = student_logits(model, batch, cache.vocab_size, device)  # one forward, both numbers
         kd_loss, ce = loss_from_logits(logits, batch, "kd"), loss_from_logits(logits, batch, "sft")
@@ -286,6 +321,7 @@ def sample_mask(method, scores, k_t, tau, protected, noise):
     """The search mask over the unprotected layers (protected layers always 1): Gumbel-TopK with k'_t
     ones (noise: Gumbel), or for the l0 baseline a hard-concrete sample (noise: uniform)."""
     free = free_layers(scores.shape[0], protected)
+    # The sampler only sees the free layers, so k'_t counts the protected ones as already kept.
     if method == "gumbel":
         sub = gumbel_topk(scores[free], k_t - len(protected), tau, noise=noise[free])
     else:
@@ -388,7 +424,6 @@ def main(argv=None):
     t0 = time.time()
     args = parse_args(argv)
     rank, world, device = common.init_distributed()
-    ddp = world > 1
     args.model = common.resolve_model(args.model)
     if args.batch_size % (world * args.micro_batch):
         raise E3Error(f"--batch-size {args.batch_size} must be a multiple of ranks x --micro-batch "
@@ -396,7 +431,7 @@ def main(argv=None):
     args.out = args.out or f"runs/{Path(args.model).name}-keep{args.keep}"
 
     # ---- validate every input before anything is written
-    model, tok = build_model(args, device, ddp)
+    model, tok = build_model(args, device, rank, world)
     L = len(decoder_layers(model))
     protected = protected_layers(L, args.protect_first, args.protect_last)
     if args.keep is None or not (max(1, len(protected)) <= args.keep <= L - 1):
@@ -408,6 +443,8 @@ def main(argv=None):
         args.seq_len, args.topk = cache.seq_len, cache.topk
     resolve_steps(args)
     out = prepare_out(args)
+    if torch.distributed.is_initialized():  # every rank has checked OUT before rank 0 writes to it
+        torch.distributed.barrier()
     if cache is None and args.steps > 0:
         cache_dir = str(default_cache_dir(args))
         build_cache(args.model, args.data, cache_dir, topk=args.topk, seq_len=args.seq_len,
@@ -443,7 +480,7 @@ def main(argv=None):
         torch.set_rng_state(ckpt["torch_rng"])
         score_state, lag_state = ckpt["score_optim"], ckpt["lag_optim"]
         if kept is not None:
-            model, _ = build_model(args, device, ddp, kept)
+            model, _ = build_model(args, device, rank, world, kept)
         opt = make_optimizer(model, args)
         load_checkpoint_into(model, opt, ckpt)
         print0(f"resumed from {ckpt_path} at step {step} ({phase})")
@@ -464,6 +501,7 @@ def main(argv=None):
         """End of the search (or no search): freeze the mask to the top-k of S, drop the other layers
         from the model and from the optimizer. They never run again."""
         nonlocal kept, phase, gates, opt
+        # No noise here: the final choice is the mode of the Plackett-Luce distribution, top-k of S.
         kept = top_k_layers(scores.detach().cpu(), args.keep, protected)
         if gates is not None:
             gates.remove()
@@ -496,6 +534,8 @@ def main(argv=None):
     # ---- stages 2 and 3: the training loop (Algorithm 1)
     n_micro = args.batch_size // (world * args.micro_batch)
     tokens_per_step = args.batch_size * args.seq_len
+    # Search steps (t <= T_M) run all L layers, each through its gate m_l (LayerGates): the loss
+    # reaches S through the straight-through mask (eq. 7). Fine-tune steps run only the k kept layers.
     while step < T:
         t = step + 1  # the paper counts from 1
         t_step = time.time()
@@ -513,8 +553,10 @@ def main(argv=None):
             if is_fsdp(model):
                 model.set_requires_gradient_sync(m == n_micro - 1)  # reduce-scatter once per step
             if phase == "search":
+                # re-built per micro-batch (not re-drawn): each backward frees the graph of M~
                 gates.mask = sample_mask(args.search, scores, k_t, tau, protected, noise)
             batch = to_device(cache.get(idx[m * args.micro_batch:(m + 1) * args.micro_batch]), device)
+            # divided by n_micro so the accumulated gradient is the mean over the global batch
             loss = compute_loss(model, batch, args.loss, cache.vocab_size, device) / n_micro
             loss.backward()
             loss_sum += loss.detach()
@@ -565,6 +607,8 @@ def main(argv=None):
         prune_now()
 
     # ---- stage 4: export (SPEC 5)
+    # Every rank takes part in the gather; rank 0 receives the full fp32 tensors on CPU and loads them into
+    # a fresh pruned copy of the source model, so the files carry no FSDP, LoRA or gate leftovers.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:

@@ -152,13 +152,16 @@ def layer_importance(model, batches, method="kl", vocab=None, generator=None):
     try:
         for ids, attn, weight in batches:
             ids = ids.to(dev)
+            # one full forward records every layer's input (for kl's prefix reuse, and x_l for bi) and output
             rec.active = True
             valid = torch.ones_like(ids, dtype=torch.bool) if attn is None else attn.to(dev).bool()
-            valid &= bool(weight)
+            valid &= bool(weight)  # a weight-0 padding batch still runs (FSDP) but counts no tokens
             logits = model(input_ids=ids, attention_mask=None if attn is None else attn.to(dev), use_cache=False).logits
             if vocab:
                 logits = logits[..., :vocab]
             rec.active = False
+            # log p of the full model, once per batch: the reference of all L KL terms (fp32: bf16 logits
+            # lose the small probabilities that KL sums over)
             logp = F.log_softmax(logits.float(), dim=-1) if method == "kl" else None
             for i in range(L):
                 if method == "bi":
@@ -179,7 +182,8 @@ def layer_importance(model, batches, method="kl", vocab=None, generator=None):
 def _skip_layer_logits(model, layers, rec, skip):
     """Logits of the model with layer `skip` bypassed, starting from the recorded input of that layer."""
     args, kwargs = rec.calls[skip]
-    h = _hidden(args, kwargs)
+    h = _hidden(args, kwargs)  # x_skip: identical in the full and the skip-l model (prefix reuse)
+    # replay layers skip+1.. with the recorded kwargs (position embeddings, masks), swapping in the new h
     for j in range(skip + 1, len(layers)):
         a, kw = rec.calls[j]
         a = (h, *a[1:]) if a else a
@@ -215,7 +219,7 @@ def protected_layers(L, n_first=1, n_last=1):
 def top_k_layers(scores, k, protected=()):
     """The k layers to keep: every protected layer plus the highest-scoring others, sorted."""
     s = torch.as_tensor(scores, dtype=torch.float64).clone()
-    s[list(protected)] = float("inf")
+    s[list(protected)] = float("inf")  # protected layers win every comparison, whatever their score
     return sorted(torch.topk(s, k).indices.tolist())
 
 
@@ -233,10 +237,14 @@ def remove_layers(model, keep):
     if not keep or keep[-1] >= L or len(set(keep)) != len(keep):
         raise ValueError(f"bad layer list {keep} for {L} layers")
     setattr(owner, attr, nn.ModuleList([layers[i] for i in keep]))
+    # the KV cache has k slots after the cut: a kept layer that still says layer_idx 27 would index past
+    # the end (or share a slot) once generate() runs with use_cache=True
     for new_idx, layer in enumerate(getattr(owner, attr)):
         for m in layer.modules():
             if isinstance(getattr(m, "layer_idx", None), int):
                 m.layer_idx = new_idx
+    # multimodal wrappers (Gemma3) keep the decoder's numbers in a sub-config (text_config): slice every
+    # config that describes these L layers. Any list of length L is taken to be per-layer.
     configs = [model.config] + [v for v in vars(model.config).values() if hasattr(v, "num_hidden_layers")]
     for cfg in configs:
         if getattr(cfg, "num_hidden_layers", None) != L:

@@ -90,6 +90,20 @@ def test_two_fsdp_ranks_match_one_process(single_run, make_tiny, corpus, tmp_pat
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-4, msg=key)
 
 
+def test_two_fsdp_ranks_with_lora_match_one_process(make_tiny, corpus, tmp_path):
+    """Rank 1 builds the model on the meta device, LoRA factors included, and gets everything from rank 0:
+    a wrong shard, a garbage buffer (Qwen3's rotary inv_freq) or an untied embedding would show here."""
+    model = make_tiny("qwen3", L)
+    one, two = tmp_path / "one", tmp_path / "two"
+    run(tiny_args(model, corpus, one, "--lora-rank", "4"), tmp_path)
+    run(tiny_args(model, corpus, two, "--lora-rank", "4"), tmp_path, nproc=2)
+    assert events(two, "pruned")[0]["kept"] == events(one, "pruned")[0]["kept"]
+    a, b = weights(one), weights(two)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-4, msg=key)
+
+
 def test_sigkill_then_resume_matches_uninterrupted(single_run, make_tiny, corpus, tmp_path):
     out = tmp_path / "run"
     args = tiny_args(make_tiny("llama", L), corpus, out)
@@ -109,6 +123,24 @@ def test_sigkill_then_resume_matches_uninterrupted(single_run, make_tiny, corpus
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5, msg=key)
     assert [e["step"] for e in events(out, "train")] == list(range(1, 9))  # no step logged twice
+
+
+def test_resume_after_the_search_on_two_ranks(single_run, tmp_path):
+    """The single run's last checkpoint (step 6, after pruning) resumed by 2 FSDP ranks: the pruned shape is
+    rebuilt (rank 1 on the meta device), the 1-process checkpoint loads into the shards, the result is the same."""
+    import shutil
+    out = tmp_path / "run"
+    shutil.copytree(single_run, out)
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_6.pt"]
+    args = {**json.loads((out / "run.json").read_text()), "out": str(out)}  # the copy is now this run's folder
+    (out / "run.json").write_text(json.dumps(args, indent=1))
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in args.items() if v is not None and not isinstance(v, bool)]
+    proc = run(argv + ["--eval-every", "4", "--ckpt-every", "3", "--resume"], tmp_path, nproc=2)
+    assert "at step 6 (finetune)" in proc.stdout
+    assert [e["step"] for e in events(out, "train")] == list(range(1, 9))
+    a, b = weights(single_run), weights(out)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-4, msg=key)
 
 
 def test_exported_logits_equal_training_model(make_tiny, corpus, tmp_path, monkeypatch):
