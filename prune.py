@@ -613,9 +613,11 @@ def main(argv=None):
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         state = merge_lora(state, args.lora_alpha / args.lora_rank) if args.lora_rank else state
-        export_model, _ = common.load_model(args.model, "cpu", torch.float32)
+        # built on the meta device and given the gathered tensors themselves (assign): no second full copy
+        export_model, _ = common.load_model(args.model, "cpu", torch.float32, weights=False)
         remove_layers(export_model, kept)
-        export_model.load_state_dict(state, strict=True)
+        export_model.load_state_dict(state, strict=True, assign=True)
+        export_model.tie_weights()  # assign replaced the shared embedding/LM-head tensor by two copies
         export_model.to(getattr(export_model.config, "dtype", None) or torch.float32)
         info = {"source_model": args.model, "method": f"init={args.init} search={args.search} loss={args.loss}",
                 "flags": run_identity(args), "tokens_trained": T * tokens_per_step,
