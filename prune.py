@@ -15,7 +15,8 @@ Usage:
   torchrun --nproc_per_node 8 prune.py --model meta-llama/Llama-2-7b-hf --keep 13   # FSDP2, bf16
   python prune.py ... --resume                         # continue from OUT/checkpoints
 Baselines (README): ShortGPT = --init bi --search none --steps 0; Minitron-style = --init bi
---search none --loss kd; KL one-shot = --init kl --search none.
+--search none --loss kd; KL one-shot = --init kl --search none; a given layer set, fine-tuned
+only = --layers 0,1,4,... (skips stages 1 and 2).
 
 With no --cache, a teacher cache for the needed token budget is built first (same code as
 cache_teacher.py) under ~/.cache/e3-pruner/teacher/ ($E3_TEACHER_CACHE), so runs with the same model,
@@ -50,6 +51,10 @@ PAPER = dict(keep=None, seq_len=4096, n_calib=40, tokens=None, batch_size=128, m
              eval_every=100, ckpt_every=200)
 
 
+def layer_list(text):
+    return sorted({int(i) for i in text.split(",")})
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     # model and data
@@ -61,6 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--out", help="run folder (default: runs/<model>-keep<k>)")
     # stage 1: importance
     p.add_argument("--init", choices=["kl", "bi", "random"], default="kl")
+    p.add_argument("--layers", type=layer_list,
+                   help="keep exactly these layers (e.g. 0,1,4,...: another run's kept_layers): no importance,\n"
+                        "no search, only fine-tuning; separates a layer set's worth from how it was found")
     p.add_argument("--n-calib", type=int)
     p.add_argument("--protect-first", type=int, default=1, help="first layers never pruned")
     p.add_argument("--protect-last", type=int, default=1, help="last layers never pruned")
@@ -92,6 +100,8 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-every", type=int)
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     a = p.parse_args(argv)
+    if a.layers is not None:  # recorded as such in run.json and pruning.json
+        a.init, a.search, a.keep = "given", "none", a.keep or len(a.layers)
     for key, value in (DEMO if a.model is None else PAPER).items():
         if getattr(a, key) is None and not (key == "seq_len" and a.cache):  # a given cache sets seq-len
             setattr(a, key, value)
@@ -437,6 +447,10 @@ def main(argv=None):
     if args.keep is None or not (max(1, len(protected)) <= args.keep <= L - 1):
         raise E3Error(f"--keep must be between {max(1, len(protected))} (the protected layers) and {L - 1} "
                       f"for this {L}-layer model; got {args.keep}")
+    if args.layers is not None and not (len(args.layers) == args.keep
+                                        and set(protected) <= set(args.layers) <= set(range(L))):
+        raise E3Error(f"--layers must name --keep ({args.keep}) distinct layers of 0..{L - 1}, the protected "
+                      f"{sorted(protected)} among them (--protect-first/--protect-last 0 to drop those)")
     cache = None
     if args.cache:  # a given cache fixes seq-len and K unless they are given too (then they must match)
         cache = TeacherCache(args.cache, tok, seq_len=args.seq_len)
@@ -463,8 +477,11 @@ def main(argv=None):
 
     if ckpt is None:
         # ---- stage 1: importance initialisation (SPEC 1)
-        init = layer_importance(model, calibration_batches(args, tok, cache, rank, world), args.init,
-                                vocab=common.vocab_size(tok), generator=torch.Generator().manual_seed(args.seed))
+        if args.init == "given":  # --layers: the indicator of the given set, so its top-k is that set
+            init = torch.zeros(L).index_fill_(0, torch.tensor(args.layers), 1.0)
+        else:
+            init = layer_importance(model, calibration_batches(args, tok, cache, rank, world), args.init,
+                                    vocab=common.vocab_size(tok), generator=torch.Generator().manual_seed(args.seed))
         init = init.float()
         log(event="importance", method=args.init, scores=init.tolist(), step=0)
         print0(f"importance ({args.init}): " + " ".join(f"{s:.3g}" for s in init.tolist()))

@@ -6,6 +6,7 @@
 # small CPU oversubscribe its cores and slow each other many times over.
 #   bash experiments/compare.sh            # the six methods, then the table
 #   bash experiments/compare.sh ablations  # initialisation, search budget, score lr (KD vs AKD: main table)
+#   bash experiments/compare.sh seeds      # seeds 1 and 2 of the three closest methods (seed 0: main)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=${RUNS:-runs/compare}
@@ -23,6 +24,16 @@ if [ "${1:-main}" = main ]; then
   run e3-akd       $P --loss akd
   python evaluate.py --model $R/shortgpt $R/minitron $R/sheared $R/kl-oneshot $R/e3-kd $R/e3-akd \
     --no-speed --seq-len 128 --max-tokens 16384 --out $R/report
+elif [ "$1" = seeds ]; then
+  # The seed sets the data order and, for E3, the Gumbel draws; the teacher cache and the KL scores are the
+  # same for every seed. Is E3's margin over KL one-shot larger than what the seed alone moves?
+  for s in 1 2; do
+    run kl-oneshot-seed$s $P --init kl --search none --loss akd --seed $s
+    run e3-kd-seed$s      $P --loss kd --seed $s
+    run e3-akd-seed$s     $P --loss akd --seed $s
+  done
+  python evaluate.py --model $R/kl-oneshot-seed1 $R/kl-oneshot-seed2 $R/e3-kd-seed1 $R/e3-kd-seed2 \
+    $R/e3-akd-seed1 $R/e3-akd-seed2 --no-speed --no-figures --seq-len 128 --max-tokens 16384 --out $R/seeds
 else
   run e3-init-bi     $P --init bi
   run e3-init-random $P --init random
@@ -30,6 +41,10 @@ else
   # the score learning rate that lets S travel as far in these 8 search steps as --score-lr 0.05 does in
   # the paper's 120 (0.05 x 120 / 8): is the default search too short for the scores to leave the noise?
   run e3-score-lr-0.75 $P --score-lr 0.75
+  # E3's layer set fine-tuned with no search (as KL one-shot is): is E3's gain over KL one-shot its choice of
+  # layers, or the search steps that train the weights on random subsets first? (needs the main table's e3-akd)
+  run e3-layers-no-search $P --layers "$(python -c "import json, sys; print(*json.load(open(sys.argv[1]))['kept_layers'],
+    sep=',')" $R/e3-akd/model/pruning.json)"
   python evaluate.py --model $R/e3-akd $R/e3-init-bi $R/e3-init-random $R/e3-search-0.05 $R/e3-search-0.2 \
-    $R/e3-search-0.5 $R/e3-score-lr-0.75 --no-speed --no-figures --seq-len 128 --max-tokens 16384 --out $R/ablations
+    $R/e3-search-0.5 $R/e3-score-lr-0.75 $R/e3-layers-no-search --no-speed --no-figures --seq-len 128 --max-tokens 16384 --out $R/ablations
 fi

@@ -246,3 +246,24 @@ def test_keep_only_the_protected_layers(make_tiny, corpus, tmp_path):
     a = tiny_args(make_tiny("llama", L), corpus, out, "--keep", "2", "--steps", "4")
     run(a, tmp_path)
     assert json.loads((out / "model" / "pruning.json").read_text())["kept_layers"] == [0, L - 1]
+
+
+def test_given_layers_train_exactly_as_the_search_free_run_that_chose_them(make_tiny, corpus, tmp_path):
+    """--layers skips stages 1 and 2: given the layers that KL one-shot (--search none) keeps, it trains
+    bit for bit the same model (same seed, same data order); a set without the protected layers fails."""
+    model = make_tiny("llama", L)
+    oneshot, given = tmp_path / "oneshot", tmp_path / "given"
+    run(tiny_args(model, corpus, oneshot, "--search", "none", "--steps", "4"), tmp_path)
+    kept = json.loads((oneshot / "model" / "pruning.json").read_text())["kept_layers"]
+    a = tiny_args(model, corpus, given, "--steps", "4", "--layers", ",".join(map(str, kept)))
+    a.remove("--keep"), a.remove(str(K))  # k is the number of given layers
+    run(a, tmp_path)
+    meta = json.loads((given / "model" / "pruning.json").read_text())
+    assert meta["kept_layers"] == kept and "init=given search=none" in meta["method"]
+    assert not events(given, "search") and events(given, "importance")[0]["method"] == "given"
+    w1, w2 = weights(oneshot), weights(given)
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+    free = [i for i in range(1, L - 1) if i not in kept]
+    no_first = free + kept[2:]  # K layers, but not the protected layer 0
+    bad = tiny_args(model, corpus, tmp_path / "bad", "--layers", ",".join(map(str, no_first)))
+    assert_one_line_error(run(bad, tmp_path, check=False), "--layers")
