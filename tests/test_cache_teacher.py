@@ -179,6 +179,44 @@ def test_two_ranks_give_the_same_cache_as_one(ref, tmp_path):
             assert torch.equal(a[split][k], b[split][k])
 
 
+OPEN_ON_EACH_RANK = """
+import sys
+import cache_teacher, common, torch
+from transformers import AutoTokenizer
+hashed, real_sha256 = [], cache_teacher._sha256
+cache_teacher._sha256 = lambda f: hashed.append(f.name) or real_sha256(f)
+def main():
+    common.init_distributed()
+    cache_teacher.TeacherCache(sys.argv[1], AutoTokenizer.from_pretrained(sys.argv[2]))
+    print("hashed", torch.distributed.get_rank(), *hashed, flush=True)
+common.run_main(main)
+"""
+
+
+def test_two_ranks_split_the_shard_check_and_both_refuse_a_corrupt_one(ref, tmp_path):
+    """Under torchrun each rank hashes every other shard, not all of them; a corrupt shard that only rank 1
+    hashes still stops rank 0 too, with the one error line (no rank goes on alone or waits forever)."""
+    out = shutil.copytree(ref["out"], tmp_path / "cache")
+    script = tmp_path / "open_cache.py"
+    script.write_text(OPEN_ON_EACH_RANK)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           str(out), ref["model_name"]]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    r = run(cmd, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    listed = [s["file"] for split in ("train", "val") for s in shard_listing(out)[split]]
+    hashed = {line.split()[1]: line.split()[2:] for line in r.stdout.splitlines() if line.startswith("hashed")}
+    assert hashed == {"0": listed[0::2], "1": listed[1::2]}, r.stdout
+    shard = out / listed[1]  # rank 1's
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF  # same size, different bytes: only the hash can tell
+    shard.write_bytes(bytes(data))
+    r = run(cmd, env=env)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode != 0 and not any(line.startswith("hashed") for line in r.stdout.splitlines()), r.stdout
+    assert len(errors) == 1 and "corrupt" in errors[0] and listed[1] in errors[0], r.stderr[-3000:]
+
+
 def test_sigkill_then_rerun_equals_an_uninterrupted_run(ref, tmp_path):
     out = tmp_path / "cache"
     env = {**os.environ, "E3_CACHE_SHARD_DELAY": "2"}  # the writer pauses after each shard
