@@ -44,9 +44,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from common import (DEFAULT_VAL_FRAC, E3Error, default_corpus, init_distributed, load_model, model_fingerprint,
-                    pack, print0, read_documents, resolve_model, run_main, split_stream, token_stream,
-                    tokenizer_fingerprint, vocab_size)
+from common import (DEFAULT_VAL_FRAC, E3Error, all_gather, default_corpus, init_distributed, load_model,
+                    model_fingerprint, pack, print0, rank_and_world, read_documents, resolve_model, run_main,
+                    split_stream, token_stream, tokenizer_fingerprint, vocab_size)
 
 FORMAT = "e3-teacher-cache/1"
 VAL_SEQS = 32  # validation sequences given targets by default: enough for a stable validation loss
@@ -221,8 +221,7 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
     holds a different one. Under torchrun every rank calls it; it uses the process group that
     common.init_distributed set up and leaves it in place."""
     from transformers import AutoTokenizer
-    dist = torch.distributed.is_initialized()
-    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if dist else (0, 1)
+    rank, world = rank_and_world()
     if device is None:
         device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     out = Path(out)
@@ -258,10 +257,7 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
     # every rank hashes its own shards; rank 0 writes meta.json once all are there
     report = ({shard_name(*job): (os.path.getsize(out / shard_name(*job)), _sha256(out / shard_name(*job)))
                for job in mine}, tokens, time.time() - t0)
-    reports = [report]
-    if dist:
-        reports = [None] * world
-        torch.distributed.all_gather_object(reports, report)
+    reports = all_gather(report)
     files = {name: v for r in reports for name, v in r[0].items()}
     total_bytes = sum(size for size, _ in files.values())
     n_tokens = sum(identity["sequences"].values()) * seq_len
@@ -275,7 +271,7 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
             "val_frac": val_frac, "max_val_tokens": max_val_tokens,
             "teacher_dtype": "bfloat16" if device.type == "cuda" else "float32",
             "bytes_per_token": round(total_bytes / n_tokens, 2), "shards": listing})
-    if dist:
+    if world > 1:
         torch.distributed.barrier()  # no rank returns before meta.json is there
     computed, seconds = sum(r[1] for r in reports), max(r[2] for r in reports)
     print0(f"teacher cache '{out}': {identity['sequences']['train']} train + {identity['sequences']['val']} val "
@@ -319,14 +315,10 @@ class TeacherCache:
         """Raise on the first missing, truncated or corrupt shard. Under torchrun rank r hashes shards r, r+N,
         ... and the ranks share what they found: at the paper's 0.5B tokens the cache is ~23 GB, read once
         in all instead of once per rank. Every rank raises the same error, so none is left waiting."""
-        dist = torch.distributed.is_initialized()
-        rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if dist else (0, 1)
+        rank, world = rank_and_world()
         listed = [s for split in SPLITS for s in self.meta["shards"][split]]
-        problems = [p for s in listed[rank::world] if (p := self._shard_problem(s))]
-        if dist:
-            found = [None] * world
-            torch.distributed.all_gather_object(found, problems)
-            problems = [p for ps in found for p in ps]
+        mine = [p for s in listed[rank::world] if (p := self._shard_problem(s))]
+        problems = [p for found in all_gather(mine) for p in found]
         if problems:
             raise E3Error(problems[0])
 

@@ -59,6 +59,22 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
+def rank_and_world():
+    """(rank, world size) of the process group init_distributed set up; (0, 1) in a single process."""
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def all_gather(obj):
+    """[rank 0's obj, rank 1's obj, ...] (picklable objects; [obj] in a single process). Every rank must call it."""
+    if not torch.distributed.is_initialized():
+        return [obj]
+    found = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(found, obj)
+    return found
+
+
 def all_reduce_sum(x):
     """Sum a tensor over ranks (no-op in a single process). Every rank must call it."""
     if torch.distributed.is_initialized():
