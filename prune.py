@@ -39,6 +39,7 @@ import common
 from cache_teacher import TeacherCache, build_cache
 from common import E3Error, print0
 from kd import sft_loss, topk_kd_loss
+from parallel import load_from_rank0, parallelize
 from sampler import expected_kept, gumbel_noise, gumbel_topk, hard_concrete, kept_layers, lagrangian, temperature
 from surgery import (LayerGates, decoder_layers, export, layer_importance, protected_layers, remove_layers,
                      top_k_layers)
@@ -174,21 +175,6 @@ def merge_lora(state, scale):
     return out
 
 
-def shard(model, device):
-    """FSDP2: each decoder layer its own unit, then the root (embeddings, final norm, LM head; tied
-    embeddings stay together). bf16 compute with fp32 master weights and fp32 gradient reduction on
-    GPU; plain fp32 on CPU (gloo)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    # Per-layer units let FSDP all-gather one layer while the previous one computes, and let the pruned
-    # layers' units simply disappear from the module tree after the search (remove_layers).
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if device.type == "cuda" else MixedPrecisionPolicy()
-    for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    return model
-
-
 def make_optimizer(model, args, state=None):
     """AdamW over the trainable weights (created after sharding, so it holds the shards). `state`
     carries Adam's moments over when the pruned layers leave the optimizer."""
@@ -202,19 +188,6 @@ def make_optimizer(model, args, state=None):
             if p in state:
                 opt.state[p] = state[p]
     return opt
-
-
-def fill_from_rank0(model, full_state, rank, device):
-    """Give every rank its shards of rank 0's weights: the other ranks built the model on the meta device,
-    so the host holds one full copy of the checkpoint instead of one per rank (8 x 27 GB for a 7B model in
-    fp32 under the headline command). Buffers (e.g. rotary inv_freq) are not sharded and, when not
-    persistent, not in the state dict: they are broadcast whole."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    if rank > 0:
-        model.to_empty(device=device)  # real (uninitialised) shards and buffers; FSDP keeps tied weights tied
-    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    for buf in model.buffers():  # the same order on every rank
-        torch.distributed.broadcast(buf, src=0)
 
 
 def build_model(args, device, rank, world, kept=None):
@@ -231,8 +204,8 @@ def build_model(args, device, rank, world, kept=None):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not ddp:
         return model.to(device).train(), tok
-    full_state = model.state_dict() if rank == 0 else {}  # holds the full tensors while shard() splits them
-    fill_from_rank0(shard(model, device), full_state, rank, device)
+    full_state = model.state_dict() if rank == 0 else {}  # holds the full tensors while parallelize() splits them
+    load_from_rank0(parallelize(model, device), full_state, rank, device)
     return model.train(), tok
 
 

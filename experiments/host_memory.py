@@ -1,6 +1,6 @@
 """
 Host memory of prune.py's ranks under torchrun: only rank 0 reads the weights, the others build the model
-on the meta device and receive their FSDP shards (prune.fill_from_rank0). Prints each rank's peak resident
+on the meta device and receive their FSDP shards (parallel.load_from_rank0). Prints each rank's peak resident
 memory before and after building the model, and at exit, beside the checkpoint's fp32 size.
 
     python experiments/host_memory.py                 # a random 453M-parameter Llama (1.8 GB fp32), 2 ranks
