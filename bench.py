@@ -18,12 +18,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 import common
 import evaluate
+import parallel
 import prune
 from cache_teacher import compute_shards
 from surgery import LayerGates, decoder_layers, export, layer_importance, remove_layers
@@ -79,7 +81,7 @@ def _kd_batch(teacher, tok, seq_len, batch, topk=10):
 
 
 def _train_step(model, opt, batch, vocab, device):
-    loss = prune.compute_loss(model, batch, "akd", vocab, device)
+    loss = prune.kd_loss(model, batch, "akd", vocab, parallel.compute_context(model, device))
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -98,19 +100,18 @@ def bench_search(seq_len=128, batch=4, repeats=5):
     L, vocab = len(decoder_layers(model)), common.vocab_size(tok)
     b = _kd_batch(model, tok, seq_len, batch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    scores = torch.nn.Parameter(torch.randn(L, device=device))
-    score_opt = torch.optim.Adam([scores], lr=0.05)
-    gen, protected = torch.Generator().manual_seed(0), [0, L - 1]
+    args = SimpleNamespace(keep=KEEP, beta=0.9, score_lr=0.05, seed=0)
+    search = prune.GumbelTopKSearch(torch.randn(L), args, L, 2, [0, L - 1], device)
 
     # Both sides take a full optimizer step on the same L-layer model and batch; the search side adds what
-    # the method adds: hooks on every layer, one Gumbel-TopK sample (k'=25 of 30, mid-search) and the
-    # score update. Gates are attached per step so the plain step runs without hooks.
+    # the method adds: hooks on every layer, one Gumbel-TopK sample (t = 1 of T_M = 2: k' = 25 of 30,
+    # mid-search) and the score update. Gates are attached per step so the plain step runs without hooks.
     def search_step():
         gates = LayerGates(model)
-        gates.mask = prune.sample_mask("gumbel", scores, 25, 0.5, protected, prune.gumbel_noise((L,), gen))
+        search.begin_step(1)
+        gates.mask = search.sample_mask()
         _train_step(model, opt, b, vocab, device)
-        score_opt.step()
-        score_opt.zero_grad(set_to_none=True)
+        search.step()
         gates.remove()
 
     t_s, t_p, ratio = side_by_side(search_step, lambda: _train_step(model, opt, b, vocab, device), repeats, device)
@@ -126,12 +127,16 @@ def bench_finetune(seq_len=128, batch=4, repeats=5):
     b = _kd_batch(pruned, tok, seq_len, batch)
     L = len(decoder_layers(pruned))
     kept = [i for i in range(L) if i % 3 != 1][:KEEP]  # every third layer removed
-    # Removal leaves the dropped layers' memory to the garbage collector and the kept layers at their
-    # old addresses; a ratio near 1 says nothing of the pruning leaks into the step.
-    remove_layers(pruned, kept)
-    prune.LayerCallCounter().attach(pruned)  # what prune.py leaves on the model after pruning
+    # The cut exactly as prune.py makes it (prune_to_top_k: removal, the optimizer rebuilt with the
+    # kept moments), after one step of the L-layer model so that there are moments to carry over. The
+    # kept layers stay at their old addresses; a ratio near 1 says nothing of the pruning leaks.
+    args = SimpleNamespace(keep=KEEP, lr=1e-6, weight_decay=0.0)
+    opt_p = torch.optim.AdamW(pruned.parameters(), lr=1e-6, betas=(0.9, 0.95))
+    _train_step(pruned, opt_p, b, vocab, device)
+    scores = torch.zeros(L).index_fill_(0, torch.tensor(kept), 1.0)
+    kept_by_cut, opt_p = prune.prune_to_top_k(pruned, opt_p, scores, args, [])
+    assert kept_by_cut == kept
     fresh = type(pruned)(pruned.config).to(device).train()  # same k-layer shape, never pruned
-    opt_p = torch.optim.AdamW([p for p in pruned.parameters() if p.requires_grad], lr=1e-6)
     opt_f = torch.optim.AdamW(fresh.parameters(), lr=1e-6)
     t_p, t_f, ratio = side_by_side(lambda: _train_step(pruned, opt_p, b, vocab, device),
                                    lambda: _train_step(fresh, opt_f, b, vocab, device), repeats, device)

