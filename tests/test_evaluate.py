@@ -128,23 +128,50 @@ def test_default_windows_are_the_held_out_end(assets, tokenizer):
     assert len(val) - blocks.numel() < 16
 
 
-def test_speed_outputs_are_consistent(assets):
+def test_speed_on_a_virtual_clock(assets, monkeypatch):
+    """speed() and speedups() timed by a clock that only advances 1 ms per decoder-layer call: the
+    4-layer teacher takes exactly 4 ms per forward, the 2-layer student 2 ms, so every number is known
+    here: TTFT and TPOT, the token rates, the measured speedup 2.0 and its range, the ideal from
+    hand-counted weights."""
+    from surgery import decoder_layers
     dense, pruned = assets["teacher_model"], assets["student_model"]
-    res = evaluate.speed({"dense": dense, "model": pruned}, 49152, batch=2, prompt_len=8, gen_len=4,
-                         repeats=2, warmup=1)
-    for r in res.values():
-        assert len(r["ttft_ms_runs"]) == len(r["tpot_ms_runs"]) == 2
-        assert all(math.isfinite(v) and v > 0 for v in r["ttft_ms_runs"] + r["tpot_ms_runs"])
-        assert r["ttft_ms"] == pytest.approx(sum(r["ttft_ms_runs"]) / 2)  # median of two
-        assert r["prefill_tok_s"] == pytest.approx(2 * 8 / (r["ttft_ms"] / 1e3))
-        assert r["decode_tok_s"] == pytest.approx(2 / (r["tpot_ms"] / 1e3))
+    now_ms = [0.0]
+
+    class VirtualClock:
+        cuda = False
+
+        def __init__(self, device):
+            pass
+
+        def now(self):
+            return now_ms[0] / 1e3
+
+        def seconds(self, a, b):
+            return b - a
+
+    def tick(*_):
+        now_ms[0] += 1.0
+    handles = [layer.register_forward_hook(tick) for m in (dense, pruned) for layer in decoder_layers(m)]
+    monkeypatch.setattr(evaluate, "Clock", VirtualClock)
+    try:
+        res = evaluate.speed({"dense": dense, "model": pruned}, 49152, batch=2, prompt_len=8, gen_len=4,
+                             repeats=3, warmup=1)
+    finally:
+        for h in handles:
+            h.remove()
+    for name, layers in (("dense", 4), ("model", 2)):
+        r = res[name]
+        assert r["ttft_ms_runs"] == pytest.approx([layers] * 3) and r["tpot_ms_runs"] == pytest.approx([layers] * 3)
+        assert r["ttft_ms"] == pytest.approx(layers) and r["tpot_ms"] == pytest.approx(layers)
+        assert r["prefill_tok_s"] == pytest.approx(2 * 8 * 1000 / layers)  # 16 prompt tokens per TTFT
+        assert r["decode_tok_s"] == pytest.approx(2 * 1000 / layers)  # 2 sequences, 1 token each per TPOT
+    x = evaluate.speedups(res["dense"], res["model"])
+    assert x["decode_speedup"] == pytest.approx(2.0) and x["decode_range"] == pytest.approx([2.0, 2.0])
+    assert x["prefill_speedup"] == pytest.approx(2.0)
     # ideal from hand-counted weights: q, o 64x64; k, v 64x32 (2 of 4 heads); gate, up, down 64x128
     layer, head = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128), 2 * 49152 * 64
-    x = evaluate.speedups(res["dense"], res["model"])
     assert x["decode_ideal"] == pytest.approx((4 * layer + head) / (2 * layer + head))
     assert x["prefill_ideal"] == pytest.approx((8 * 4 * layer + head) / (8 * 2 * layer + head))
-    ratios = [d / p for d, p in zip(res["dense"]["tpot_ms_runs"], res["model"]["tpot_ms_runs"])]
-    assert x["decode_speedup"] == pytest.approx(sum(ratios) / 2) and x["decode_range"] == [min(ratios), max(ratios)]
 
 
 def test_greedy_loop_matches_generate(assets):

@@ -330,11 +330,22 @@ def test_baseline_flag_sets_run(make_tiny, corpus, tmp_path):
 
 
 def test_keep_only_the_protected_layers(make_tiny, corpus, tmp_path):
-    """k'_t reaches the protected count: the free layers' mask no longer depends on the scores."""
+    """k'_t falls to the protected count, where the free layers' mask no longer depends on the scores.
+    With lr 0 the weights do not move, so the export must be the source model with only its first and
+    last layers, written out here by slicing the ModuleList by hand."""
+    model = make_tiny("llama", L)
     out = tmp_path / "k2"
-    a = tiny_args(make_tiny("llama", L), corpus, out, "--keep", "2", "--steps", "4")
-    run(a, tmp_path)
-    assert json.loads((out / "model" / "pruning.json").read_text())["kept_layers"] == [0, L - 1]
+    run(tiny_args(model, corpus, out, "--keep", "2", "--steps", "4", "--lr", "0"), tmp_path)
+    search = events(out, "search")
+    assert [e["k"] for e in search] == [4, 2]  # T_M = 2: k' = 6 - ceil(4 t / 2)
+    assert search[-1]["mask"] == [1.0] + [0.0] * (L - 2) + [1.0]
+    source = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    source.model.layers = torch.nn.ModuleList([source.model.layers[0], source.model.layers[L - 1]])
+    source.model.layers[1].self_attn.layer_idx = 1
+    exported = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32).eval()
+    ids = torch.randint(0, 49152, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, source(ids).logits, rtol=0, atol=1e-5)
 
 
 def test_given_layers_train_exactly_as_the_search_free_run_that_chose_them(make_tiny, corpus, tmp_path):
