@@ -171,7 +171,7 @@ def tokenizer_fingerprint(tok):
 
 
 def vocab_size(tok):
-    """Number of real tokenizer ids; model logits may have padding rows beyond it (SPEC 3)."""
+    """Number of real tokenizer ids; model logits may have padding rows beyond it (Sec. 3.3: the student and the teacher must share the vocabulary)."""
     return len(tok)
 
 

@@ -1,5 +1,5 @@
 """
-Offline top-K knowledge distillation and its entropy-weighted ("adaptive") form (paper 3.3, SPEC 3).
+Offline top-K knowledge distillation and its entropy-weighted ("adaptive") form (paper Sec. 3.3).
 
 For token i, with the teacher's top-K ids c, their log-probabilities log p_t,c under the teacher's FULL
 softmax (pre-computed by cache_teacher.py) and the student's log p_s = log_softmax(z_s) in fp32:

@@ -1,5 +1,5 @@
 """
-The Gumbel-TopK sampler with a straight-through estimator (paper eq. 6-7 and Algorithm 2, SPEC 2),
+The Gumbel-TopK sampler with a straight-through estimator (paper Sec. 3.2, eq. 6-7, Algorithm 2),
 and the two schedules of the search phase (temperature tau_t and kept-layer count k'_t).
 
     S_1 = S + g,  g ~ Gumbel(0, 1)                       (Alg. 2 line 1)
@@ -22,7 +22,8 @@ import torch
 
 def gumbel_noise(shape, generator=None):
     """g = -log(-log(u)), u ~ U(0, 1), drawn on the CPU in fp32 so that every rank and every device
-    type gets the same numbers from the same generator state (SPEC 2: ranks must agree)."""
+    type gets the same numbers from the same generator state: every rank must draw the same mask, or
+    the ranks run different layers and FSDP's collectives hang."""
     u = torch.rand(shape, generator=generator, dtype=torch.float32)
     tiny = torch.finfo(torch.float32).tiny
     return -torch.log(-torch.log(u.clamp_min(tiny)))

@@ -1,4 +1,4 @@
-"""Top-K KD and adaptive KD (SPEC 3) against an independent float64 computation."""
+"""Top-K KD (eq. 12) and adaptive KD (eq. 13) against an independent float64 computation."""
 import pytest
 import torch
 

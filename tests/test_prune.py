@@ -1,6 +1,6 @@
 """prune.py end to end on tiny random models: 1 process == 2 FSDP2 ranks, kill + resume == uninterrupted,
 the schedules in the log, only k layers running after the search, export == training model, and the
-one-line errors of SPEC 7."""
+one-line errors of bad input."""
 import json
 import os
 import signal

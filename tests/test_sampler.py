@@ -1,4 +1,4 @@
-"""Gumbel-TopK sampler (SPEC 2): exact k-hot values, straight-through gradients, determinism, the
+"""Gumbel-TopK sampler (Sec. 3.2, eq. 6-7, Alg. 2): exact k-hot values, straight-through gradients, determinism, the
 Plackett-Luce law of the hard mask, and the schedules' endpoints."""
 import itertools
 import math

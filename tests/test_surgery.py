@@ -1,4 +1,4 @@
-"""Layer surgery (SPEC 1 and 5) on tiny random Llama, Qwen2, Qwen3, Mistral and Gemma3 models:
+"""Layer surgery (importance, Sec. 3.2; removal and export) on tiny random Llama, Qwen2, Qwen3, Mistral and Gemma3 models:
 masked forward == bypassed original == exported checkpoint; KV-cache generation after reload;
 KL importance with prefix reuse == the naive L+1 full forwards."""
 import json
