@@ -6,6 +6,7 @@ prune.py calls these the same way in one process and under torchrun, and never a
   parallelize(model, device)               fully_shard each decoder layer, then the root
   load_from_rank0(model, state, ...)       rank 0 read the checkpoint; every rank receives its shards
   drop_removed_layers(model)               after pruning: forget the removed layers' FSDP units
+  reshard(model)                           every unit back to its shards (after a no-grad forward)
   compute_context(model, device)           bf16 autocast on one GPU (FSDP has its own mixed precision)
   set_grad_sync(model, on)                 reduce-scatter only on the last micro-batch of a step
   clip_grad_norm(params, max_norm)         the global gradient norm (a DTensor under FSDP), as a float
@@ -75,6 +76,18 @@ def drop_removed_layers(model):
     alive = set(model.modules())
     state._state_ctx.all_states = [s for s in state._state_ctx.all_states
                                    if all(m in alive for m in s._modules)]
+
+
+def reshard(model):
+    """Put every FSDP unit back to its shards. FSDP2 leaves the root unit (embeddings, LM head)
+    gathered after a forward until the backward that follows; after a no-grad forward (validation,
+    importance) no backward follows, and the module then holds the full tensors: an optimizer built
+    from model.parameters() at that moment would hold those instead of the shards and never train
+    the root. A no-op in one process."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules() if is_sharded(model) else []:
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def compute_context(model, device):

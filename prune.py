@@ -215,6 +215,7 @@ def build_student(args, device, rank, world, kept=None):
 def make_optimizer(model, args, carried=None):
     """AdamW over the trainable weights (made after sharding, so it holds the shards). `carried` is
     the old optimizer's state, whose moments carry over for the parameters that are still here."""
+    parallel.reshard(model)  # under FSDP: the shards, not the gathered root a no-grad forward left
     params = [p for p in model.parameters() if p.requires_grad]
     # betas (0.9, 0.95): the usual LLM fine-tuning choice (the paper names AdamW and the lr only)
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
@@ -290,6 +291,7 @@ def validate(model, cache, args, rank, world, device, compute):
         totals += torch.tensor([kd.item() * len(real), ce.item() * len(real), len(real)],
                                dtype=torch.float64, device=device)
     common.all_reduce_sum(totals)
+    parallel.reshard(model)  # free the gathered root unit now, not at the next backward
     model.train()
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 

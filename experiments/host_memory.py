@@ -1,86 +1,173 @@
 """
-Host memory of prune.py's ranks under torchrun: only rank 0 reads the weights, the others build the model
-on the meta device and receive their FSDP shards (parallel.load_from_rank0). Prints each rank's peak resident
-memory before and after building the model, and at exit, beside the checkpoint's fp32 size.
+Peak host memory of every phase of prune.py, per rank, at 1, 2 and 4 gloo ranks: the evidence that the
+headline run fits its machines. Each phase's peak is measured on its own (Linux: the resident peak
+VmHWM is reset through /proc/self/clear_refs when the phase starts and read when it ends):
 
-    python experiments/host_memory.py                 # a random 453M-parameter Llama (1.8 GB fp32), 2 ranks
-    python experiments/host_memory.py --model DIR --nproc 4
+  import       python + torch + transformers + the project, before any work (the floor of every rank)
+  cache        building the teacher cache (the teacher forward, data-parallel; freed before the student)
+  student      building and sharding the student (rank 0 reads the weights, the others get shards)
+  importance   the KL layer scores on the calibration sequences
+  search step  one optimizer step of the search (all L layers through their gates, AdamW on all)
+  finetune     one optimizer step after the cut (k layers)
+  save         a sharded DCP checkpoint (each rank writes its own shards)
+  resume       loading that checkpoint into a fresh run (each rank reads its own shards)
+  export       gathering the weights to rank 0 and writing the HF checkpoint
 
-The run itself is `prune.py --steps 0 --init random --search none` (load, shard, prune, export): no
-training, so the peaks are those of loading and exporting.
+    python experiments/host_memory.py                      # random ~108M Llama, 1, 2 and 4 ranks
+    python experiments/host_memory.py --nproc 2 --model DIR
+
+The goal it checks (issue 14): every phase's per-rank peak <= import + 16 B/param / ranks + 0.5 GB.
 """
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PHASES = ["import", "cache", "student", "importance", "search step", "finetune", "save", "resume", "export"]
+
+
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # "5": reset the peak resident set size (VmHWM) to the current one
+
+
+def status_mb(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024  # kB
 
 
 def peak_mb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # kB on Linux
+    return status_mb("VmHWM")
 
 
 def rank_main(argv):
-    """Runs inside each torchrun rank: prune.main with the peak printed around build_model."""
+    """Inside each torchrun rank: prune.main with every phase wrapped, peaks appended to a JSON file."""
     sys.path.insert(0, str(ROOT))
+    import torch  # noqa: F401 (the import floor)
+    import transformers  # noqa: F401
+    import checkpoint
     import common
     import prune
-    rank, build = os.environ["RANK"], prune.build_model
-    report = Path(os.environ["E3_MEMORY_REPORT"]) / f"rank{rank}.txt"  # one file a rank: no interleaving
+    rank = os.environ.get("RANK", "0")
+    report = Path(os.environ["E3_MEMORY_REPORT"]) / f"rank{rank}.jsonl"
+    start = {}  # resident memory when each phase began
 
-    def note(when):
+    def note(phase):
         with open(report, "a") as f:
-            f.write(f"rank {rank}: peak {peak_mb():5d} MB {when}\n")
+            f.write(json.dumps({"phase": phase, "peak_mb": round(peak_mb()),
+                                "start_mb": round(start.get(phase, 0))}) + "\n")
 
-    def measured_build(*a, **k):
-        note("before build_model")
-        out = build(*a, **k)
-        note("after build_model")
-        return out
+    note("import")
 
-    prune.build_model = measured_build
+    def measured(phase, fn):
+        def wrapper(*a, **k):
+            reset_peak()
+            start[phase] = status_mb("VmRSS")
+            out = fn(*a, **k)
+            note(phase)
+            return out
+        return wrapper
+
+    prune.build_teacher_cache = measured("cache", prune.build_teacher_cache)
+    prune.build_student = measured("student", prune.build_student)
+    prune.init_scores = measured("importance", prune.init_scores)
+    prune.export_pruned = measured("export", prune.export_pruned)
+    checkpoint.Run.save = measured("save", checkpoint.Run.save)
+    checkpoint.Run.load_into = staticmethod(measured("resume", checkpoint.Run.load_into))
+    # one training step: from the lr lookup that starts it to the "train" event that ends it
+    schedule, log = prune.lr_schedule, checkpoint.Run.log
+
+    def step_start(*a, **k):
+        reset_peak()
+        start["step"] = status_mb("VmRSS")
+        return schedule(*a, **k)
+
+    def step_end(self, **event):
+        if event.get("event") == "train":
+            start["search step"] = start["finetune"] = start["step"]
+            note("search step" if event["phase"] == "search" else "finetune")
+        return log(self, **event)
+
+    prune.lr_schedule, checkpoint.Run.log = step_start, step_end
     common.run_main(lambda: prune.main(argv))
-    note("at exit (after the export)")
 
 
 def random_llama(path):
+    """A random ~108M-parameter Llama (10 layers, 768 wide, SmolLM2's 49K vocabulary, tied embeddings)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     sys.path.insert(0, str(ROOT))
     import common
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
-                      num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=True)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=768, intermediate_size=2048, num_hidden_layers=10,
+                      num_attention_heads=12, num_key_value_heads=12, tie_word_embeddings=True)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(path)
     AutoTokenizer.from_pretrained(common.default_model()).save_pretrained(path)
 
 
+def measure(model, nproc, tmp):
+    """Peaks (MB) of each phase, the max over ranks: a fresh run, then --resume of its last checkpoint."""
+    report = Path(tmp) / f"report-{nproc}"
+    report.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "E3_MEMORY_REPORT": str(report),
+           "E3_TEACHER_CACHE": str(Path(tmp) / f"teacher-{nproc}")}
+    layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_port", str(29800 + (os.getpid() + 10 * nproc) % 500)] if nproc > 1 else [sys.executable]
+    argv = ["--model", model, "--keep", str(layers // 2), "--steps", "4", "--search-frac", "0.5",
+            "--seq-len", "128", "--batch-size", "4", "--micro-batch", "1", "--n-calib", "4", "--warmup", "1",
+            "--eval-every", "100", "--ckpt-every", "3", "--out", str(Path(tmp) / f"run-{nproc}")]
+    for extra in ([], ["--resume"]):  # the resume redoes step 4 from the step-3 checkpoint, re-exports
+        proc = subprocess.run(launcher + [__file__, "--rank-main", *argv, *extra], env=env,
+                              capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(proc.stdout[-2000:] + proc.stderr[-3000:])
+    peaks = {}
+    for f in sorted(report.glob("rank*.jsonl")):
+        for e in map(json.loads, f.read_text().splitlines()):
+            peaks[e["phase"]] = max(peaks.get(e["phase"], 0), e["peak_mb"])
+            print(f"  {nproc} rank(s), {f.stem}: {e['phase']:<12} resident at start {e['start_mb']:>6} MB,"
+                  f" peak {e['peak_mb']:>6} MB", flush=True)
+    return peaks
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="checkpoint folder (default: a random 24-layer, 1024-wide Llama)")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--model", help="checkpoint folder (default: a random ~108M Llama)")
+    p.add_argument("--nproc", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--json", help="also write the table here")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = a.model or str(Path(tmp) / "llama-453m")
+        model = a.model or str(Path(tmp) / "llama")
         if a.model is None:
             random_llama(model)
-        size = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) / 2**20
-        print(f"checkpoint: {model} ({size:.0f} MB on disk)", flush=True)
-        layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "E3_MEMORY_REPORT": tmp}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc), __file__,
-               "--rank-main", "--model", model, "--keep", str(layers - 2), "--init", "random", "--search", "none",
-               "--steps", "0", "--seq-len", "128", "--out", str(Path(tmp) / "run")]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode:
-            sys.exit(proc.stderr[-3000:])
-        for r in range(a.nproc):
-            print((Path(tmp) / f"rank{r}.txt").read_text(), end="")
+        sys.path.insert(0, str(ROOT))
+        from safetensors import safe_open
+        params = 0
+        for f in Path(model).glob("*.safetensors"):
+            with safe_open(f, "pt") as st:
+                params += sum(_numel(st.get_slice(k).get_shape()) for k in st.keys())
+        print(f"model: {model}, {params / 1e6:.1f}M parameters ({4 * params / 2**20:.0f} MB fp32)", flush=True)
+        table = {n: measure(model, n, tmp) for n in a.nproc}
+    print(f"{'phase':<12}" + "".join(f"{f'{n} rank(s)':>12}" for n in a.nproc) + "   (peak MB per rank)")
+    for phase in PHASES:
+        print(f"{phase:<12}" + "".join(f"{table[n].get(phase, float('nan')):>12.0f}" for n in a.nproc))
+    print(f"{'goal':<12}" + "".join(f"{table[n]['import'] + 16 * params / n / 2**20 + 512:>12.0f}"
+                                     for n in a.nproc) + "   (import + 16 B/param / ranks + 0.5 GB)")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"params": params, "peaks_mb": table}, indent=1))
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 if __name__ == "__main__":

@@ -367,3 +367,17 @@ def test_given_layers_train_exactly_as_the_search_free_run_that_chose_them(make_
     no_first = free + kept[2:]  # K layers, but not the protected layer 0
     bad = tiny_args(model, corpus, tmp_path / "bad", "--layers", ",".join(map(str, no_first)))
     assert_one_line_error(run(bad, tmp_path, check=False), "--layers")
+
+
+def test_given_layers_on_two_ranks_match_one_process(make_tiny, corpus, tmp_path):
+    """Pruned before the first training step (--layers; the same path as --search none): under FSDP the
+    root unit (embeddings, final norm, LM head) must train as in one process, and checkpoints work."""
+    model = make_tiny("llama", L)
+    one, two = tmp_path / "one", tmp_path / "two"
+    a = ["--layers", "0,2,3,5", "--ckpt-every", "3"]
+    run(tiny_args(model, corpus, one, *a), tmp_path)  # --keep 4 = the 4 given layers
+    run(tiny_args(model, corpus, two, *a), tmp_path, nproc=2)
+    source = load_file(str(Path(model) / "model.safetensors"))
+    trained = weights(one)
+    assert not torch.equal(trained["model.norm.weight"], source["model.norm.weight"])  # the root trains
+    assert_same_weights(one, two, atol=1e-4)
