@@ -41,8 +41,8 @@ from common import E3Error, print0
 from kd import sft_loss, topk_kd_loss
 from parallel import load_from_rank0, parallelize
 from sampler import expected_kept, gumbel_noise, gumbel_topk, hard_concrete, kept_layers, lagrangian, temperature
-from surgery import (LayerGates, decoder_layers, export, layer_importance, protected_layers, remove_layers,
-                     top_k_layers)
+from surgery import (LayerGates, check_removable, decoder_layers, export_pruned, layer_importance, lora_targets,
+                     protected_layers, remove_layers, top_k_layers)
 
 # Settings used when --model is not given: the packaged demo, sized for a 2-core CPU (~10 minutes).
 DEMO = dict(keep=20, seq_len=128, n_calib=16, tokens=40_960, batch_size=8, micro_batch=4, warmup=4,
@@ -156,10 +156,9 @@ def add_lora(model, rank, alpha, seed):
     for p in model.parameters():
         p.requires_grad_(False)
     for layer in decoder_layers(model):
-        for mod in list(layer.modules()):
-            if isinstance(mod, nn.Linear):
-                parametrize.register_parametrization(mod, "weight", LoRA(mod.weight, rank, alpha, gen))
-                mod.parametrizations.weight.original.requires_grad_(False)
+        for mod in lora_targets(layer):
+            parametrize.register_parametrization(mod, "weight", LoRA(mod.weight, rank, alpha, gen))
+            mod.parametrizations.weight.original.requires_grad_(False)
 
 
 def merge_lora(state, scale):
@@ -416,6 +415,7 @@ def main(argv=None):
     # ---- validate every input before anything is written
     model, tok = build_model(args, device, rank, world)
     L = len(decoder_layers(model))
+    check_removable(model.config, args.layers)  # an MoE layout the pruned config cannot express: refused now
     protected = protected_layers(L, args.protect_first, args.protect_last)
     if args.keep is None or not (max(1, len(protected)) <= args.keep <= L - 1):
         raise E3Error(f"--keep must be between {max(1, len(protected))} (the protected layers) and {L - 1} "
@@ -603,16 +603,10 @@ def main(argv=None):
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         state = merge_lora(state, args.lora_alpha / args.lora_rank) if args.lora_rank else state
-        # built on the meta device and given the gathered tensors themselves (assign): no second full copy
-        export_model, _ = common.load_model(args.model, "cpu", torch.float32, weights=False)
-        remove_layers(export_model, kept)
-        export_model.load_state_dict(state, strict=True, assign=True)
-        export_model.tie_weights()  # assign replaced the shared embedding/LM-head tensor by two copies
-        export_model.to(getattr(export_model.config, "dtype", None) or torch.float32)
         info = {"source_model": args.model, "method": f"init={args.init} search={args.search} loss={args.loss}",
                 "flags": run_identity(args), "tokens_trained": T * tokens_per_step,
                 "initial_scores": init.tolist(), "final_scores": scores.detach().cpu().tolist()}
-        export(export_model, tok, out / "model", kept, L, info)
+        export_pruned(args.model, state, kept, L, tok, out / "model", info)
         summary = {"kept_layers": kept, "layers": f"{L} -> {len(kept)}", "tokens_trained": T * tokens_per_step,
                    **summary, "minutes": round((time.time() - t0) / 60, 2), "model": str(out / "model")}
         log(event="done", step=T, **summary)
