@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from common import E3Error
 from surgery import (LayerGates, check_logits_path, check_removable, decoder_layers, export_pruned,
                      last_layer_output, layer_importance, lora_targets, model_logits, remove_layers)
+from test_prune import corpus, events, run, tiny_args, weights  # noqa: F401 (corpus: a fixture)
 
 L, KEEP = 6, [0, 2, 3, 5]  # removes layer 1 and layer 4: one dense and one sparse layer in every MoE below
 VOCAB = 49152  # the demo tokenizer's: its files and chat template travel with the export
@@ -209,6 +210,12 @@ def test_moe_layout_written_back(arch):
     assert sparse_layers(rebuilt) == sparse_layers(model) == [j for j, i in enumerate(KEEP) if i in before]
 
 
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_every_tested_family_passes_the_start_check(arch):
+    """prune.py's check before any work (no layer set chosen yet: the two probes) lets them all through."""
+    check_removable(tiny(arch).config)
+
+
 def test_layout_the_config_cannot_express_is_refused():
     """ERNIE-4.5-MoE describes its MoE layers by a range and an interval: here every other layer (1, 3, 5);
     keeping 1 and 3 without 2 cannot be said, keeping 1, 3, 5 without 2 and 4 can (a range of three)."""
@@ -232,3 +239,33 @@ def test_lora_targets_attention_and_dense_mlps_not_routers(arch):
         assert not any(n.rsplit(".", 1)[-1] in ("gate", "router", "shared_expert_gate") for n in names)
         if not any(n.endswith("experts") for n, _ in layer.named_modules()):  # a dense layer: its MLP adapts
             assert any("mlp" in n or "feed_forward" in n for n in names)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, tokenizer):
+    """saved(arch) -> folder of the tiny fp32 model with the demo tokenizer (a checkpoint prune.py can load)."""
+    def save(arch):
+        path = tmp_path_factory.getbasetemp() / f"arch-{arch}"
+        if not (path / "config.json").exists():
+            tiny(arch).save_pretrained(path)
+            tokenizer.save_pretrained(path)
+        return str(path)
+    return save
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, extra", [("deepseek_v3", []), ("qwen2_moe", ["--lora-rank", "4"])])
+def test_moe_two_fsdp_ranks_match_one_process(arch, extra, saved, corpus, tmp_path):
+    """prune.py end to end on MoE models (KL importance, Gumbel search, removal, AKD, export): 2 gloo
+    ranks under FSDP2 == 1 process; Qwen2-MoE with LoRA on attention and the dense/shared MLPs. The export
+    reloads with every weight in place."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    run(tiny_args(saved(arch), corpus, one, *extra), tmp_path)
+    run(tiny_args(saved(arch), corpus, two, *extra), tmp_path, nproc=2)
+    assert events(two, "pruned")[0]["kept"] == events(one, "pruned")[0]["kept"]
+    a, b = weights(one), weights(two)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-4, msg=lambda m: f"{key}: {m}")
+    _, info = AutoModelForCausalLM.from_pretrained(two / "model", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
