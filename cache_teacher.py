@@ -89,7 +89,7 @@ def teacher_targets(model, input_ids, vocab, topk):
     in fp32) never exist at once. On CPU the softmax passes then go through each chunk in slices small
     enough to stay in cache, where they would otherwise be bound by memory bandwidth."""
     h, last_logits = last_layer_output(model, input_ids)
-    check_logits_path(model, h, last_logits)  # the cache holds log_softmax(model(x).logits), nothing else
+    check_logits_path(model, h, last_logits)  # the cache holds log_softmax(model(x).logits)
     B, T, _ = h.shape
     chunk, piece = (1024, 64) if h.device.type == "cpu" else (4096, 4096)
     ids, logprobs, entropy = [], [], []

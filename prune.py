@@ -41,8 +41,8 @@ from common import E3Error, print0
 from kd import sft_loss, topk_kd_loss
 from parallel import load_from_rank0, parallelize
 from sampler import expected_kept, gumbel_noise, gumbel_topk, hard_concrete, kept_layers, lagrangian, temperature
-from surgery import (LayerGates, check_removable, decoder_layers, export_pruned, layer_importance, lora_targets,
-                     protected_layers, remove_layers, top_k_layers)
+from surgery import (LayerGates, check_removable, decoder_layers, export_pruned, layer_importance,
+                     lora_targets, protected_layers, remove_layers, top_k_layers)
 
 # Settings used when --model is not given: the packaged demo, sized for a 2-core CPU (~10 minutes).
 DEMO = dict(keep=20, seq_len=128, n_calib=16, tokens=40_960, batch_size=8, micro_batch=4, warmup=4,
@@ -415,7 +415,7 @@ def main(argv=None):
     # ---- validate every input before anything is written
     model, tok = build_model(args, device, rank, world)
     L = len(decoder_layers(model))
-    check_removable(model.config, args.layers)  # an MoE layout the pruned config cannot express: refused now
+    check_removable(model.config, args.layers)  # a layout the pruned config cannot say: refused
     protected = protected_layers(L, args.protect_first, args.protect_last)
     if args.keep is None or not (max(1, len(protected)) <= args.keep <= L - 1):
         raise E3Error(f"--keep must be between {max(1, len(protected))} (the protected layers) and {L - 1} "

@@ -81,14 +81,81 @@ class LayerGates:
             h.remove()
 
 
-_ROUTERS = ("gate", "router", "shared_expert_gate")  # MoE routing: Mixtral/Qwen/DeepSeek `gate`, Llama-4
-#                                                     and GPT-OSS `router`, Qwen-MoE's shared-expert gate
+# -----------------------------------------------------------------------------
+# The model's own logits from the last decoder layer's output (importance, teacher cache)
+
+_FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f")
+
+
+def final_norm(model):
+    """What the decoder applies to the last layer's output before the LM head: its final norm,
+    `norm` (Llama and most), `ln_f` (GPT-2, Falcon, Bloom), `final_layer_norm` (GPT-NeoX, OPT),
+    `final_layernorm` (Phi) or `norm_f` (MPT), then OPT's `project_out` where the embedding is
+    narrower than the layers. OPT-350m has no final norm; check_logits_path catches a name this list
+    misses."""
+    owner, _ = _layers_owner(model)
+    norms = [getattr(owner, name) for name in _FINAL_NORMS if getattr(owner, name, None) is not None]
+    steps = norms[:1] + [m for m in [getattr(owner, "project_out", None)] if m is not None]
+    return nn.Sequential(*steps)  # empty: the identity
+
+
+def model_logits(model, hidden):
+    """The model's own logits from the last decoder layer's output h_L (any leading shape):
+
+        z = post(W_out norm(h_L))
+
+    with post what the model's forward applies after the LM head: Gemma-2/3's soft-capping
+    c tanh(z / c), Granite's z / logits_scaling, Cohere's z * logit_scale. So that the KL importance,
+    the teacher cache and the student all see log_softmax(model(x).logits), not a near relative."""
+    logits = model.get_output_embeddings()(final_norm(model)(hidden))
+    cfg = model.config.get_text_config()
+    if (cap := getattr(cfg, "final_logit_softcapping", None)) is not None:
+        logits = torch.tanh(logits / cap) * cap
+    if (scaling := getattr(cfg, "logits_scaling", None)) is not None:  # Granite (MoE) divides
+        logits = logits / scaling
+    # Cohere multiplies by a float attribute (CLIP-like models hold a tensor of that name: not logits)
+    if (scale := getattr(model, "logit_scale", None)) is not None and not torch.is_tensor(scale):
+        logits = logits * scale
+    return logits
+
+
+def last_layer_output(model, input_ids, attention_mask=None):
+    """(h_L, the model's own logits at the last position) from one forward that computes the LM head
+    for the last position only (logits_to_keep=1), so no (T, V) tensor is made here."""
+    out = {}
+    hook = decoder_layers(model)[-1].register_forward_hook(
+        lambda module, args, output: out.update(h=output if torch.is_tensor(output) else output[0]))
+    try:
+        last = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                     logits_to_keep=1).logits
+    finally:
+        hook.remove()
+    return out["h"], last[:, -1]
+
+
+def check_logits_path(model, h, last_logits):
+    """Refuse, with one line, an architecture whose forward does something after its last decoder
+    layer that model_logits does not (a final norm under another name, another logit scale): the
+    recomputed logits of the last position must be the model's own."""
+    z = model_logits(model, h[:, -1]).float()
+    ref = last_logits.float()
+    if (z - ref).abs().max() > 1e-2 * (1 + ref.abs().max()):
+        raise E3Error(f"{type(model).__name__}: logits recomputed from the last layer's output "
+                      f"differ from the model's own by {(z - ref).abs().max():.3g}; teach "
+                      f"surgery.model_logits this architecture's final norm or logit scale")
+
+
+# -----------------------------------------------------------------------------
+# LoRA targets (SPEC 4)
+
+# MoE routers: Mixtral/Qwen/DeepSeek `gate`, Llama-4 and GPT-OSS `router`, Qwen-MoE shared gate
+_ROUTERS = ("gate", "router", "shared_expert_gate")
 
 
 def lora_targets(layer):
-    """The nn.Linear maps of a decoder layer that LoRA adapts (SPEC 4): attention and the dense or shared-
-    expert MLP. Routers are left out: a low-rank change to a router reroutes tokens between experts
-    the adapters never see. Routed experts are stored as fused 3-D tensors in transformers >= 5 (not
+    """The nn.Linear maps of a decoder layer that LoRA adapts (SPEC 4): attention and the dense or
+    shared-expert MLP. Routers are left out: a low-rank change to a router reroutes tokens between
+    experts the adapters never see. Routed experts are fused 3-D tensors in transformers >= 5 (not
     nn.Linear) and stay frozen: their LoRA would be one adapter per expert, optional in the paper."""
     return [mod for name, mod in layer.named_modules()
             if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] not in _ROUTERS]
@@ -125,64 +192,6 @@ class _Recorder:
             h.remove()
 
 
-_FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f")
-
-
-def final_norm(model):
-    """The module the decoder applies to the last layer's output before the LM head: `norm` (Llama and
-    most), `ln_f` (GPT-2, Falcon, Bloom), `final_layer_norm` (GPT-NeoX, OPT), `final_layernorm` (Phi),
-    `norm_f` (MPT), then OPT's `project_out` when the embedding is narrower than the layers.
-    Identity when there is none (OPT-350m); check_logits_path catches a name this list misses."""
-    owner, _ = _layers_owner(model)
-    steps = [m for m in (next((getattr(owner, n) for n in _FINAL_NORMS if getattr(owner, n, None) is not None),
-                              None), getattr(owner, "project_out", None)) if m is not None]
-    return nn.Sequential(*steps) if steps else nn.Identity()
-
-
-def model_logits(model, hidden):
-    """The model's own logits from the last decoder layer's output h_L (any leading shape):
-
-        z = post(W_out norm(h_L))
-
-    with post what the model's forward applies after the LM head: Gemma-2/3's soft-capping
-    c tanh(z / c), Granite's z / logits_scaling, Cohere's z * logit_scale. So that the KL importance,
-    the teacher cache and the student all see log_softmax(model(x).logits), not a near relative."""
-    logits = model.get_output_embeddings()(final_norm(model)(hidden))
-    cfg = model.config.get_text_config()
-    if (cap := getattr(cfg, "final_logit_softcapping", None)) is not None:
-        logits = torch.tanh(logits / cap) * cap
-    if (scaling := getattr(cfg, "logits_scaling", None)) is not None:  # Granite (MoE) divides
-        logits = logits / scaling
-    if (scale := getattr(model, "logit_scale", None)) is not None and not torch.is_tensor(scale):
-        logits = logits * scale  # Cohere multiplies (a float attribute; CLIP-like tensors are not logits)
-    return logits
-
-
-def last_layer_output(model, input_ids, attention_mask=None):
-    """(h_L, the model's own logits at the last position) from one forward that computes the LM head
-    for the last position only (logits_to_keep=1), so no (T, V) tensor is made here."""
-    out = {}
-    hook = decoder_layers(model)[-1].register_forward_hook(
-        lambda module, args, output: out.update(h=output if torch.is_tensor(output) else output[0]))
-    try:
-        last = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1).logits
-    finally:
-        hook.remove()
-    return out["h"], last[:, -1]
-
-
-def check_logits_path(model, h, last_logits):
-    """Refuse, with one line, an architecture whose forward does something after the last decoder layer
-    that model_logits does not (a final norm under another name, another logit scale): the recomputed
-    logits of the last position must be the model's own."""
-    z = model_logits(model, h[:, -1]).float()
-    ref = last_logits.float()
-    if (z - ref).abs().max() > 1e-2 * (1 + ref.abs().max()):
-        raise E3Error(f"{type(model).__name__}: logits recomputed from the last layer's output differ from "
-                      f"the model's own by {(z - ref).abs().max():.3g}; teach surgery.model_logits this "
-                      f"architecture's final norm or logit scale")
-
-
 @torch.no_grad()
 def layer_importance(model, batches, method="kl", vocab=None, generator=None, chunk=1024):
     """Per-layer importance s (float64, length L; larger = more important), SPEC 1.
@@ -210,13 +219,14 @@ def layer_importance(model, batches, method="kl", vocab=None, generator=None, ch
     try:
         for n, (ids, attn, weight) in enumerate(batches):
             ids, attn = ids.to(dev), None if attn is None else attn.to(dev)
-            # one full forward records every layer's input (for kl's prefix reuse, and x_l for bi) and output
+            # one full forward records every layer's input (for kl's prefix reuse, and x_l for bi)
+            # and output
             rec.active = True
             valid = torch.ones_like(ids, dtype=torch.bool) if attn is None else attn.bool()
             valid &= bool(weight)  # a weight-0 padding batch still runs (FSDP) but counts no tokens
             h_full, last_logits = last_layer_output(model, ids, attn)
             rec.active = False
-            # the root unit (final norm, LM head) stays gathered through the L skip runs of this batch
+            # the root unit (final norm, LM head) stays gathered through this batch's L skip runs
             with _root_unsharded(model):
                 if n == 0 and method == "kl":
                     check_logits_path(model, h_full, last_logits)
@@ -239,17 +249,19 @@ def _batch_scores(model, layers, rec, method, h_full, vocab, chunk, valid):
             x, y = _hidden(*rec.calls[i]), rec.outputs[i]
             score = 1 - F.cosine_similarity(x.float(), y.float(), dim=-1)
         else:
-            score = _chunked_kl(model, _skip_layer_hidden(layers, rec, i), h_full, vocab, chunk, logp_full)
+            h_skip = _skip_layer_hidden(layers, rec, i)
+            score = _chunked_kl(model, h_skip, h_full, vocab, chunk, logp_full)
         sums.append((score.double() * valid).sum())
     return torch.stack(sums)
 
 
 def _skip_layer_hidden(layers, rec, skip):
-    """The last layer's output of the model with layer `skip` bypassed, from the recorded input of that
-    layer."""
+    """The last layer's output of the model with layer `skip` bypassed, from that layer's recorded
+    input."""
     args, kwargs = rec.calls[skip]
     h = _hidden(args, kwargs)  # x_skip: identical in the full and the skip-l model (prefix reuse)
-    # replay layers skip+1.. with the recorded kwargs (position embeddings, masks), swapping in the new h
+    # replay layers skip+1.. with the recorded kwargs (position embeddings, masks), swapping in the
+    # new h
     for j in range(skip + 1, len(layers)):
         a, kw = rec.calls[j]
         a = (h, *a[1:]) if a else a
@@ -260,14 +272,14 @@ def _skip_layer_hidden(layers, rec, skip):
 
 
 def _log_probs(model, h, vocab):
-    """log p from last-layer outputs h (N, H), in fp32: bf16 logits lose the small probabilities that KL
-    sums over. Columns past the tokenizer's vocabulary (padding rows of the embedding) are dropped."""
+    """log p from last-layer outputs h (N, H), in fp32: bf16 logits lose the small probabilities
+    that KL sums over. Columns past the tokenizer's vocabulary (embedding padding rows) go."""
     return F.log_softmax(model_logits(model, h)[..., :vocab].float(), dim=-1)
 
 
 def _chunked_kl(model, h_skip, h_full, vocab, chunk, logp_full=None):
-    """KL(p_{-l} || p) per token, (B, T), from the two models' last-layer outputs, `chunk` tokens at a
-    time: each chunk's logits are made, used and freed before the next.
+    """KL(p_{-l} || p) per token, (B, T), from the two models' last-layer outputs, `chunk` tokens at
+    a time: each chunk's logits are made, used and freed before the next.
 
     The full model's log p is recomputed per chunk (one more LM head per skipped layer: a few % of a
     paper-scale model's L^2/2 layer calls) unless the caller passes it (`logp_full`, when one chunk
@@ -314,32 +326,35 @@ def top_k_layers(scores, k, protected=()):
 # -----------------------------------------------------------------------------
 # Physical removal and export (SPEC 5)
 
-# Per-layer settings in the config. Removal renumbers the layers, so every setting keyed by a layer's
-# index is rewritten for the kept ones: lists with one value per layer are sliced, index lists renumbered,
-# and the index rules of the MoE families turned into an explicit layout and written back.
+# Per-layer settings in the config. Removal renumbers the layers, so every setting keyed by a
+# layer's index is rewritten for the kept ones: lists with one value per layer are sliced, index
+# lists renumbered, and the index rules of the MoE families turned into an explicit layout and
+# written back.
 
-_DENSE_PREFIX = ("first_k_dense_replace", "num_dense_layers")  # layers [0, k) dense: DeepSeek-V2/V3, GLM-4-MoE,
-#                                                                dots1 (first_k_...), AFMoE, LFM2-MoE (num_...)
-_PER_LAYER = ("layer_types", "no_rope_layers")  # one value per layer even where it reads like indices (L <= 2)
-_INDEX_NAMES = ("layer_idx", "layer_id", "layer_index", "layer_number")  # renumbered, not part of a layout
+# layers [0, k) dense: DeepSeek-V2/V3, GLM-4-MoE, dots1 (first_k_...), AFMoE, LFM2-MoE (num_...)
+_DENSE_PREFIX = ("first_k_dense_replace", "num_dense_layers")
+# one value per layer, even where the values read like indices (L <= 2)
+_PER_LAYER = ("layer_types", "no_rope_layers")
+_INDEX_NAMES = ("layer_idx", "layer_id", "layer_index", "layer_number")  # renumbered, not a layout
 
 
 def _layer_configs(config, L):
-    """The config objects that describe these L decoder layers: the model's, or a multimodal wrapper's
-    text_config (Gemma3), or both."""
+    """The config objects that describe these L decoder layers: the model's, or a multimodal
+    wrapper's text_config (Gemma3), or both."""
     found = [config] + [v for v in vars(config).values() if hasattr(v, "num_hidden_layers")]
     return [cfg for cfg in found if getattr(cfg, "num_hidden_layers", None) == L]
 
 
 def _is_index_list(key, value, L):
-    """A `*_layers` setting that lists layer indices (Qwen-MoE `mlp_only_layers`, Llama-4 `moe_layers`)."""
+    """A `*_layers` setting listing layer indices (Qwen-MoE mlp_only_layers, Llama-4 moe_layers)."""
     return (key.endswith("_layers") and key not in _PER_LAYER and isinstance(value, (list, tuple))
             and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < L for i in value)
             and len(set(value)) == len(value))
 
 
 def _qwen_sparse_layers(cfg, L):
-    """Qwen2/3-MoE: layer i is sparse iff i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
+    """Qwen2/3-MoE: layer i is sparse iff i is not in mlp_only_layers and
+    (i + 1) % decoder_sparse_step == 0."""
     step, dense = cfg.decoder_sparse_step, set(getattr(cfg, "mlp_only_layers", None) or ())
     return {i for i in range(L) if i not in dense and (i + 1) % step == 0}
 
@@ -347,14 +362,17 @@ def _qwen_sparse_layers(cfg, L):
 def _ernie_sparse_layers(cfg, L):
     """ERNIE-4.5-MoE: layer i is sparse iff (i + 1) % interval == 0 and start <= i <= end."""
     end = L - 1 if cfg.moe_layer_end_index == -1 else cfg.moe_layer_end_index
-    return {i for i in range(L) if (i + 1) % cfg.moe_layer_interval == 0 and cfg.moe_layer_start_index <= i <= end}
+    return {i for i in range(L) if (i + 1) % cfg.moe_layer_interval == 0 and
+    cfg.moe_layer_start_index <= i <= end}
 
 
 def _rewrite_layer_settings(cfg, keep, L):
-    """Rewrite, in place, every per-layer setting of `cfg` (describing L layers) for the layers `keep`."""
+    """Rewrite, in place, every per-layer setting of `cfg` (describing L layers) for the layers
+    `keep`."""
     new_index = {i: j for j, i in enumerate(keep)}
-    qwen = _qwen_sparse_layers(cfg, L) if isinstance(getattr(cfg, "decoder_sparse_step", None), int) else None
-    ernie = _ernie_sparse_layers(cfg, L) if isinstance(getattr(cfg, "moe_layer_interval", None), int) else None
+    has = lambda key: isinstance(getattr(cfg, key, None), int)  # noqa: E731
+    qwen = _qwen_sparse_layers(cfg, L) if has("decoder_sparse_step") else None
+    ernie = _ernie_sparse_layers(cfg, L) if has("moe_layer_interval") else None
     for key, value in list(vars(cfg).items()):
         if key.startswith("_"):
             continue
@@ -364,22 +382,24 @@ def _rewrite_layer_settings(cfg, keep, L):
             setattr(cfg, key, type(value)(new_index[i] for i in value if i in new_index))
         elif isinstance(value, (list, tuple)) and len(value) == L:
             setattr(cfg, key, type(value)(value[i] for i in keep))
-    if qwen is not None:  # any kept layout: every layer may be sparse (step 1), the dense ones listed
+    if qwen is not None:  # any kept layout: every layer may be sparse (step 1), dense ones listed
         cfg.decoder_sparse_step = 1
         cfg.mlp_only_layers = [j for j, i in enumerate(keep) if i not in qwen]
     if ernie is not None:
         sparse = [j for j, i in enumerate(keep) if i in ernie]
         if sparse and sparse != list(range(sparse[0], sparse[-1] + 1)):
             raise E3Error(f"keeping layers {keep} leaves MoE layers {sparse}, which ERNIE's "
-                          f"moe_layer_start_index/end_index/interval cannot describe; keep another set")
+                          f"moe_layer_start_index/end_index/interval cannot describe; keep another "
+                          f"set")
         cfg.moe_layer_interval = 1
-        cfg.moe_layer_start_index, cfg.moe_layer_end_index = (sparse[0], sparse[-1]) if sparse else (len(keep), -1)
+        first, last = (sparse[0], sparse[-1]) if sparse else (len(keep), -1)  # none: an empty range
+        cfg.moe_layer_start_index, cfg.moe_layer_end_index = first, last
     cfg.num_hidden_layers = len(keep)
 
 
 def _layer_signature(layer):
-    """What a layer's constructor made of its index: every submodule's type, scalar attributes (e.g.
-    `sliding_window`, `use_rope`, `is_moe_layer`) and parameter shapes, the index itself left out."""
+    """What a layer's constructor made of its index: every submodule's type, scalar attributes
+    (e.g. `sliding_window`, `use_rope`, `is_moe_layer`) and parameter shapes, the index left out."""
     sig = {}
     for name, mod in layer.named_modules():
         sig[name] = type(mod).__name__
@@ -400,8 +420,8 @@ def _meta_layers(config):
 
 def pruned_config(config, keep):
     """A copy of `config` for the model that keeps decoder layers `keep` (sorted original indices),
-    checked: built on the meta device, its layer j must be what layer keep[j] was (_layer_signature).
-    A kept layout that the config cannot express ends with one E3Error line."""
+    checked: built on the meta device, its layer j must be what layer keep[j] was
+    (_layer_signature). A kept layout that the config cannot express ends with one E3Error line."""
     L = config.get_text_config().num_hidden_layers
     new = copy.deepcopy(config)
     for cfg in _layer_configs(new, L):
@@ -411,15 +431,16 @@ def pruned_config(config, keep):
         a, b = _layer_signature(before[i]), _layer_signature(after[j])
         if a != b:
             diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-            raise E3Error(f"{config.model_type}: after removal, layer {i} (now {j}) would be rebuilt differently "
-                          f"({', '.join(diff[:3])}): its config keys this layer's layout to its index in a way "
-                          f"surgery._rewrite_layer_settings does not know; this architecture cannot be pruned")
+            raise E3Error(f"{config.model_type}: after removal, layer {i} (now {j}) would be built "
+                          f"differently ({', '.join(diff[:3])}): its config keys this layer's layout "
+                          f"to its index in a way surgery._rewrite_layer_settings does not know; "
+                          f"this architecture cannot be pruned")
     return new
 
 
 def check_removable(config, kept=None):
-    """Refuse, before any work, a model whose layers cannot be removed consistently: `kept` checked as
-    given, or (kept=None, the search has not chosen yet) two probes that shift every index (drop
+    """Refuse, before any work, a model whose layers cannot be removed consistently: `kept` checked
+    as given, or (kept=None, the search has not chosen yet) two probes that shift every index (drop
     layer 0) and halve it (every other layer), which break any index rule left unrewritten."""
     L = config.get_text_config().num_hidden_layers
     for keep in [sorted(kept)] if kept is not None else [list(range(1, L)), list(range(0, L, 2))]:
@@ -468,16 +489,18 @@ def write_atomically(out_dir, write):
     shutil.rmtree(old, ignore_errors=True)
 
 
-_SOURCE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
-                 "chat_template.json")  # copied byte for byte: what the user gave, not a re-serialisation
+# copied byte for byte from a local source: what the user gave, not a re-serialisation
+_SOURCE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json",
+                 "merges.txt", "chat_template.jinja", "chat_template.json")
 
 
 def export(model, tok, out_dir, keep, layers_before, info, source=None):
-    """Save `model` (on CPU, unsharded; all `layers_before` original layers, or already pruned to `keep`)
-    as a plain HF checkpoint: safetensors, config, tokenizer, generation config, and pruning.json with
-    `info` plus the layer lists (original indices). With `source` (a local checkpoint folder), its
-    generation config, tokenizer files and chat template are copied over those written here."""
+    """Save `model` (on CPU, unsharded; all `layers_before` original layers, or already pruned to
+    `keep`) as a plain HF checkpoint: safetensors, config, tokenizer, generation config, and
+    pruning.json with `info` plus the layer lists (original indices). With `source` (a local
+    checkpoint folder), its generation config, tokenizer files and chat template are copied over
+    those written here."""
     L = layers_before
     if len(decoder_layers(model)) == L:
         remove_layers(model, keep)
@@ -497,8 +520,8 @@ def export(model, tok, out_dir, keep, layers_before, info, source=None):
 
 
 def source_dtype(config):
-    """The dtype the source checkpoint was saved in (config `dtype`, `torch_dtype` before transformers 5);
-    fp32 when it does not say."""
+    """The dtype the source checkpoint was saved in (config `dtype`, `torch_dtype` before
+    transformers 5); fp32 when it does not say."""
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
@@ -506,7 +529,8 @@ def source_dtype(config):
 def export_pruned(source, state, kept, layers_before, tok, out_dir, info):
     """Export the pruned model as the user gave the source, with no second full copy of the weights:
 
-    the source model is built on the meta device from its config, pruned to `kept`, handed the gathered
+    the source model is built on the meta device from its config, pruned to `kept`, handed the
+    gathered
     full `state` (fp32 master weights, keys of the pruned model) with assign=True, re-tied, cast back to
     the SOURCE checkpoint's dtype (bf16 stays bf16),
     given the source's generation config, and written atomically with its tokenizer files, chat
