@@ -415,7 +415,6 @@ def main(argv=None):
     # ---- validate every input before anything is written
     model, tok = build_model(args, device, rank, world)
     L = len(decoder_layers(model))
-    check_removable(model.config, args.layers)  # a layout the pruned config cannot say: refused
     protected = protected_layers(L, args.protect_first, args.protect_last)
     if args.keep is None or not (max(1, len(protected)) <= args.keep <= L - 1):
         raise E3Error(f"--keep must be between {max(1, len(protected))} (the protected layers) and {L - 1} "
@@ -424,6 +423,7 @@ def main(argv=None):
                                         and set(protected) <= set(args.layers) <= set(range(L))):
         raise E3Error(f"--layers must name --keep ({args.keep}) distinct layers of 0..{L - 1}, the protected "
                       f"{sorted(protected)} among them (--protect-first/--protect-last 0 to drop those)")
+    check_removable(model.config, args.layers)  # a layout the pruned config cannot say: refused
     cache = None
     if args.cache:  # a given cache fixes seq-len and K unless they are given too (then they must match)
         cache = TeacherCache(args.cache, tok, seq_len=args.seq_len)

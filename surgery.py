@@ -1,13 +1,21 @@
 """
-Layer surgery on Hugging Face causal LMs, shared by prune.py, evaluate.py and bench.py:
+Layer surgery on Hugging Face causal LMs, shared by prune.py, cache_teacher.py, evaluate.py and
+bench.py:
 
-  decoder_layers(model)          the decoder-layer ModuleList (SPEC notation: "a layer")
-  LayerGates(model)              the masked forward  X_{l+1} = X_l + m_l * (f(X_l) - X_l)   (paper 3.1, SPEC 2)
-  layer_importance(model, ...)   s_l by KL(p_{-l} || p) with prefix reuse, or ShortGPT's BI   (paper 3.2, SPEC 1)
-  remove_layers(model, keep)     physical removal: ModuleList, layer_idx, per-layer config lists (SPEC 5)
-  export(model, tok, out, ...)   a plain HF checkpoint + pruning.json, written atomically        (SPEC 5)
+  decoder_layers(model)           the decoder-layer ModuleList (SPEC notation: "a layer")
+  LayerGates(model)               the masked forward X_{l+1} = X_l + m_l (f(X_l) - X_l)  (paper 3.1)
+  model_logits(model, h_L)        the model's own logits from the last layer's output: final norm,
+                                  LM head, soft-capping / logit scales
+  lora_targets(layer)             the nn.Linear maps LoRA adapts (attention, dense/shared MLPs)
+  layer_importance(model, ...)    s_l by KL(p_{-l} || p) with prefix reuse, chunked over tokens, or
+                                  ShortGPT's BI                                  (paper 3.2, SPEC 1)
+  check_removable(config, kept)   refuse before any work a layer layout the config cannot express
+  remove_layers(model, keep)      physical removal: ModuleList, layer_idx, per-layer settings and
+                                  MoE layouts of the config (pruned_config)                 (SPEC 5)
+  export_pruned(source, state..)  the trained state as the user gave the source: dtype, generation
+                                  config, tokenizer files, chat template; pruning.json      (SPEC 5)
 
-HF decoder layers already add their own residuals, so f(X_l) in the paper's eq. 1 is `layer(x) - x` here.
+HF decoder layers already add their own residuals, so f(X_l) in the paper's eq. 1 is `layer(x) - x`.
 """
 import copy
 import json
@@ -94,7 +102,7 @@ def final_norm(model):
     narrower than the layers. OPT-350m has no final norm; check_logits_path catches a name this list
     misses."""
     owner, _ = _layers_owner(model)
-    norms = [getattr(owner, name) for name in _FINAL_NORMS if getattr(owner, name, None) is not None]
+    norms = [getattr(owner, n) for n in _FINAL_NORMS if getattr(owner, n, None) is not None]
     steps = norms[:1] + [m for m in [getattr(owner, "project_out", None)] if m is not None]
     return nn.Sequential(*steps)  # empty: the identity
 
@@ -105,15 +113,16 @@ def model_logits(model, hidden):
         z = post(W_out norm(h_L))
 
     with post what the model's forward applies after the LM head: Gemma-2/3's soft-capping
-    c tanh(z / c), Granite's z / logits_scaling, Cohere's z * logit_scale. So that the KL importance,
-    the teacher cache and the student all see log_softmax(model(x).logits), not a near relative."""
+    c tanh(z / c), Granite's z / logits_scaling, Cohere's z * logit_scale. So that the KL
+    importance, the teacher cache and the student all see log_softmax(model(x).logits), not a near
+    relative."""
     logits = model.get_output_embeddings()(final_norm(model)(hidden))
     cfg = model.config.get_text_config()
     if (cap := getattr(cfg, "final_logit_softcapping", None)) is not None:
         logits = torch.tanh(logits / cap) * cap
     if (scaling := getattr(cfg, "logits_scaling", None)) is not None:  # Granite (MoE) divides
         logits = logits / scaling
-    # Cohere multiplies by a float attribute (CLIP-like models hold a tensor of that name: not logits)
+    # Cohere multiplies by a float attribute (CLIP-like models hold a tensor of that name)
     if (scale := getattr(model, "logit_scale", None)) is not None and not torch.is_tensor(scale):
         logits = logits * scale
     return logits
@@ -156,7 +165,8 @@ def lora_targets(layer):
     """The nn.Linear maps of a decoder layer that LoRA adapts (SPEC 4): attention and the dense or
     shared-expert MLP. Routers are left out: a low-rank change to a router reroutes tokens between
     experts the adapters never see. Routed experts are fused 3-D tensors in transformers >= 5 (not
-    nn.Linear) and stay frozen: their LoRA would be one adapter per expert, optional in the paper."""
+    nn.Linear) and stay frozen: their LoRA would be one adapter per expert, optional in the
+    paper."""
     return [mod for name, mod in layer.named_modules()
             if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] not in _ROUTERS]
 
@@ -219,8 +229,7 @@ def layer_importance(model, batches, method="kl", vocab=None, generator=None, ch
     try:
         for n, (ids, attn, weight) in enumerate(batches):
             ids, attn = ids.to(dev), None if attn is None else attn.to(dev)
-            # one full forward records every layer's input (for kl's prefix reuse, and x_l for bi)
-            # and output
+            # one full forward records every layer's input (kl's prefix reuse, bi's x_l) and output
             rec.active = True
             valid = torch.ones_like(ids, dtype=torch.bool) if attn is None else attn.bool()
             valid &= bool(weight)  # a weight-0 padding batch still runs (FSDP) but counts no tokens
@@ -278,8 +287,9 @@ def _log_probs(model, h, vocab):
 
 
 def _chunked_kl(model, h_skip, h_full, vocab, chunk, logp_full=None):
-    """KL(p_{-l} || p) per token, (B, T), from the two models' last-layer outputs, `chunk` tokens at
-    a time: each chunk's logits are made, used and freed before the next.
+    """KL(p_{-l} || p) = sum_v q_v (log q_v - log p_v) per token, q = p_{-l}, (B, T), from the two
+    models' last-layer outputs, `chunk` tokens at a time: each chunk's logits are made, used and
+    freed before the next.
 
     The full model's log p is recomputed per chunk (one more LM head per skipped layer: a few % of a
     paper-scale model's L^2/2 layer calls) unless the caller passes it (`logp_full`, when one chunk
@@ -361,9 +371,9 @@ def _qwen_sparse_layers(cfg, L):
 
 def _ernie_sparse_layers(cfg, L):
     """ERNIE-4.5-MoE: layer i is sparse iff (i + 1) % interval == 0 and start <= i <= end."""
+    start, every = cfg.moe_layer_start_index, cfg.moe_layer_interval
     end = L - 1 if cfg.moe_layer_end_index == -1 else cfg.moe_layer_end_index
-    return {i for i in range(L) if (i + 1) % cfg.moe_layer_interval == 0 and
-    cfg.moe_layer_start_index <= i <= end}
+    return {i for i in range(L) if (i + 1) % every == 0 and start <= i <= end}
 
 
 def _rewrite_layer_settings(cfg, keep, L):
@@ -432,9 +442,9 @@ def pruned_config(config, keep):
         if a != b:
             diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
             raise E3Error(f"{config.model_type}: after removal, layer {i} (now {j}) would be built "
-                          f"differently ({', '.join(diff[:3])}): its config keys this layer's layout "
-                          f"to its index in a way surgery._rewrite_layer_settings does not know; "
-                          f"this architecture cannot be pruned")
+                          f"differently ({', '.join(diff[:3])}): its config keys this layer's "
+                          f"layout to its index in a way surgery._rewrite_layer_settings does not "
+                          f"know; this architecture cannot be pruned")
     return new
 
 
@@ -530,18 +540,18 @@ def export_pruned(source, state, kept, layers_before, tok, out_dir, info):
     """Export the pruned model as the user gave the source, with no second full copy of the weights:
 
     the source model is built on the meta device from its config, pruned to `kept`, handed the
-    gathered
-    full `state` (fp32 master weights, keys of the pruned model) with assign=True, re-tied, cast back to
-    the SOURCE checkpoint's dtype (bf16 stays bf16),
-    given the source's generation config, and written atomically with its tokenizer files, chat
-    template and pruning.json (export)."""
+    gathered full `state` (fp32 master weights, keys of the pruned model) with assign=True, re-tied,
+    cast back to the SOURCE checkpoint's dtype (bf16 stays bf16), given the source's generation
+    config, and written atomically with its tokenizer files, chat template and pruning.json
+    (export)."""
     from transformers import AutoConfig, GenerationConfig
-    dtype = source_dtype(AutoConfig.from_pretrained(source))  # before from_config writes fp32 into the config
+    dtype = source_dtype(AutoConfig.from_pretrained(source))  # before from_config writes fp32
     model, _ = load_model(source, "cpu", torch.float32, weights=False)
     remove_layers(model, kept)
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()  # assign replaced the shared embedding/LM-head tensor by two copies
-    model.to(dtype)  # all of it, as save_pretrained wrote the source; from_pretrained upcasts what it keeps in fp32
+    # all of it, as save_pretrained wrote the source (from_pretrained upcasts what it keeps in fp32)
+    model.to(dtype)
     model.config.dtype = dtype
     try:  # the source's EOS list, temperature, top_p...; defaults only when it has none
         model.generation_config = GenerationConfig.from_pretrained(source)

@@ -13,7 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from common import E3Error
 from surgery import (LayerGates, check_logits_path, check_removable, decoder_layers, export_pruned,
                      last_layer_output, layer_importance, lora_targets, model_logits, remove_layers)
-from test_prune import corpus, events, run, tiny_args, weights  # noqa: F401 (corpus: a fixture)
+from test_prune import (assert_one_line_error, corpus, events, run, tiny_args,  # noqa: F401
+                        weights)  # (corpus: a fixture)
 
 L, KEEP = 6, [0, 2, 3, 5]  # removes layers 1 and 4: a dense and a sparse one in every MoE below
 VOCAB = 49152  # the demo tokenizer's: its files and chat template travel with the export
@@ -244,6 +245,20 @@ def test_layout_the_config_cannot_express_is_refused():
                                  expert_layer_offset=1, **ATTN)
     with pytest.raises(E3Error, match="cannot be pruned"):
         check_removable(jamba)
+
+
+def test_prune_refuses_an_inexpressible_layout_before_any_work(tokenizer, corpus, tmp_path):
+    """ERNIE with MoE on every other layer: some layer sets the search may pick cannot be written
+    back, so prune.py stops at once, with one line, and writes nothing."""
+    cfg = AutoConfig.for_model("ernie4_5_moe", vocab_size=VOCAB, num_hidden_layers=L,
+                               max_position_embeddings=64, moe_num_experts=4, moe_k=2,
+                               moe_layer_start_index=1, moe_layer_interval=2,
+                               moe_intermediate_size=32, **ATTN)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "ernie")
+    tokenizer.save_pretrained(tmp_path / "ernie")
+    proc = run(tiny_args(str(tmp_path / "ernie"), corpus, tmp_path / "out"), tmp_path, check=False)
+    assert_one_line_error(proc, "cannot describe")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "teacher").exists()
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3", "llama4_text", "mixtral"])
