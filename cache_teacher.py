@@ -47,6 +47,7 @@ from tqdm import tqdm
 from common import (DEFAULT_VAL_FRAC, E3Error, all_gather, default_corpus, init_distributed, load_model,
                     model_fingerprint, pack, print0, rank_and_world, read_documents, resolve_model, run_main,
                     split_stream, token_stream, tokenizer_fingerprint, vocab_size)
+from surgery import check_logits_path, last_layer_output, model_logits
 
 FORMAT = "e3-teacher-cache/1"
 VAL_SEQS = 32  # validation sequences given targets by default: enough for a stable validation loss
@@ -87,17 +88,15 @@ def teacher_targets(model, input_ids, vocab, topk):
     The LM head runs on chunks of tokens, so the logits of a whole batch (4 bytes x vocabulary per token
     in fp32) never exist at once. On CPU the softmax passes then go through each chunk in slices small
     enough to stay in cache, where they would otherwise be bound by memory bandwidth."""
-    h = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+    h, last_logits = last_layer_output(model, input_ids)
+    check_logits_path(model, h, last_logits)  # the cache holds log_softmax(model(x).logits)
     B, T, _ = h.shape
     chunk, piece = (1024, 64) if h.device.type == "cpu" else (4096, 4096)
-    cap = getattr(model.config, "final_logit_softcapping", None)  # Gemma-2/3, as in their own forward
     ids, logprobs, entropy = [], [], []
     for hc in h.reshape(B * T, -1).split(chunk):
-        logits = model.get_output_embeddings()(hc)[:, :vocab]  # padding rows beyond the tokenizer go
+        logits = model_logits(model, hc)[:, :vocab]  # padding rows beyond the tokenizer go
         for z in logits.split(piece):
             z = z.float()
-            if cap is not None:
-                z = torch.tanh(z / cap) * cap
             logp = F.log_softmax(z, dim=-1)  # over the FULL vocabulary: top-K values stay true log-probs
             # H_t = -sum_v p log p (eq. 12), the AKD token weight; it needs every p, so it is taken here, not
             # from the K stored values (which would cap it at ln K)

@@ -41,8 +41,8 @@ from checkpoint import Run
 from common import E3Error, print0
 from kd import sft_loss, topk_kd_loss
 from sampler import gumbel_noise, gumbel_topk, k_schedule, tau_schedule
-from surgery import (LayerGates, decoder_layers, export, layer_importance, protected_layers,
-                     remove_layers, top_k_layers)
+from surgery import (LayerGates, check_removable, decoder_layers, export_pruned, layer_importance,
+                     lora_targets, protected_layers, remove_layers, top_k_layers)
 
 # -----------------------------------------------------------------------------
 # Settings. Flags left unset take the packaged demo's values when --model is not given (sized for a
@@ -173,15 +173,14 @@ class LoRA(nn.Module):
 
 def add_lora(model, rank, alpha, seed):
     """Freeze every weight (embeddings and norms too); only adapters on the decoder layers' linear maps
-    train. Seeded, so that every run and every rank builds identical A factors."""
+    (surgery.lora_targets) train. Seeded, so that every run and every rank builds identical A factors."""
     gen = torch.Generator().manual_seed(seed)
     for p in model.parameters():
         p.requires_grad_(False)
     for layer in decoder_layers(model):
-        for mod in list(layer.modules()):
-            if isinstance(mod, nn.Linear):
-                parametrize.register_parametrization(mod, "weight", LoRA(mod.weight, rank, alpha, gen))
-                mod.parametrizations.weight.original.requires_grad_(False)
+        for mod in lora_targets(layer):  # attention and dense/shared MLPs; not routers, not experts
+            parametrize.register_parametrization(mod, "weight", LoRA(mod.weight, rank, alpha, gen))
+            mod.parametrizations.weight.original.requires_grad_(False)
 
 
 def merge_lora(state, scale):
@@ -479,20 +478,15 @@ def search_steps(args):
     return max(1, round(args.search_frac * args.steps)) if args.search != "none" and args.steps else 0
 
 
-def export_pruned(model, args, tok, kept, L, info, rank):
-    """Every rank joins the gather; rank 0 gets the full fp32 tensors on CPU and hands them to a pruned
-    copy of the source model built on the meta device (assign: no second full copy). The files carry no
-    FSDP, LoRA or gate leftovers."""
+def export(model, args, tok, kept, L, info, rank):
+    """Every rank joins the gather; rank 0 gets the full fp32 tensors on CPU and hands them to
+    surgery.export_pruned: a pruned copy of the source built on the meta device (no second full copy),
+    cast back to the source's dtype, with its generation config, tokenizer and chat template. The files
+    carry no FSDP, LoRA or gate leftovers."""
     state = parallel.full_state_dict(model)
-    if rank != 0:
-        return
-    state = merge_lora(state, args.lora_alpha / args.lora_rank) if args.lora_rank else state
-    out, _ = common.load_model(args.model, "cpu", torch.float32, weights=False)
-    remove_layers(out, kept)
-    out.load_state_dict(state, strict=True, assign=True)
-    out.tie_weights()  # assign replaced the shared embedding/LM-head tensor by two copies
-    out.to(getattr(out.config, "dtype", None) or torch.float32)
-    export(out, tok, Path(args.out) / "model", kept, L, info)
+    if rank == 0:
+        state = merge_lora(state, args.lora_alpha / args.lora_rank) if args.lora_rank else state
+        export_pruned(args.model, state, kept, L, tok, Path(args.out) / "model", info)
 
 
 # -----------------------------------------------------------------------------
@@ -515,6 +509,7 @@ def main(argv=None):
     L = len(decoder_layers(shape))
     protected = protected_layers(L, args.protect_first, args.protect_last)
     check_keep(args, L, protected)
+    check_removable(shape.config, args.layers)  # a MoE layout the pruned config cannot express: stop now
     cache = TeacherCache(args.cache, tok, seq_len=args.seq_len) if args.cache else None
     if cache:  # a given cache fixes seq-len and K (when given too, they must match)
         args.seq_len, args.topk = cache.seq_len, cache.topk
@@ -639,7 +634,7 @@ def main(argv=None):
     info = {"source_model": args.model, "method": f"init={args.init} search={args.search} loss={args.loss}",
             "flags": run_identity(args), "tokens_trained": T * tokens_per_step,
             "initial_scores": S0.tolist(), "final_scores": search.S.detach().cpu().tolist()}
-    export_pruned(model, args, tok, kept, L, info, rank)
+    export(model, args, tok, kept, L, info, rank)
     summary = {"kept_layers": kept, "layers": f"{L} -> {len(kept)}", "tokens_trained": T * tokens_per_step,
                **summary, "minutes": round((time.time() - t0) / 60, 2), "model": str(Path(args.out) / "model")}
     run.log(event="done", step=T, **summary)

@@ -1,14 +1,23 @@
 """
-Layer surgery on Hugging Face causal LMs, shared by prune.py, evaluate.py and bench.py:
+Layer surgery on Hugging Face causal LMs, shared by prune.py, cache_teacher.py, evaluate.py and
+bench.py:
 
-  decoder_layers(model)          the decoder-layer ModuleList (SPEC notation: "a layer")
-  LayerGates(model)              the masked forward  X_{l+1} = X_l + m_l * (f(X_l) - X_l)   (paper 3.1, SPEC 2)
-  layer_importance(model, ...)   s_l by KL(p_{-l} || p) with prefix reuse, or ShortGPT's BI   (paper 3.2, SPEC 1)
-  remove_layers(model, keep)     physical removal: ModuleList, layer_idx, per-layer config lists (SPEC 5)
-  export(model, tok, out, ...)   a plain HF checkpoint + pruning.json, written atomically        (SPEC 5)
+  decoder_layers(model)           the decoder-layer ModuleList (SPEC notation: "a layer")
+  LayerGates(model)               the masked forward X_{l+1} = X_l + m_l (f(X_l) - X_l)  (paper 3.1)
+  model_logits(model, h_L)        the model's own logits from the last layer's output: final norm,
+                                  LM head, soft-capping / logit scales
+  lora_targets(layer)             the nn.Linear maps LoRA adapts (attention, dense/shared MLPs)
+  layer_importance(model, ...)    s_l by KL(p_{-l} || p) with prefix reuse, chunked over tokens, or
+                                  ShortGPT's BI                                  (paper 3.2, SPEC 1)
+  check_removable(config, kept)   refuse before any work a layer layout the config cannot express
+  remove_layers(model, keep)      physical removal: ModuleList, layer_idx, per-layer settings and
+                                  MoE layouts of the config (pruned_config)                 (SPEC 5)
+  export_pruned(source, state..)  the trained state as the user gave the source: dtype, generation
+                                  config, tokenizer files, chat template; pruning.json      (SPEC 5)
 
-HF decoder layers already add their own residuals, so f(X_l) in the paper's eq. 1 is `layer(x) - x` here.
+HF decoder layers already add their own residuals, so f(X_l) in the paper's eq. 1 is `layer(x) - x`.
 """
+import copy
 import json
 import os
 import shutil
@@ -18,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import E3Error, all_reduce_sum
+from common import E3Error, all_reduce_sum, load_model
 
 _LAYER_PATHS = ("model.layers", "model.language_model.layers", "model.decoder.layers", "transformer.h",
                 "gpt_neox.layers", "transformer.blocks")
@@ -81,6 +90,88 @@ class LayerGates:
 
 
 # -----------------------------------------------------------------------------
+# The model's own logits from the last decoder layer's output (importance, teacher cache)
+
+_FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f")
+
+
+def final_norm(model):
+    """What the decoder applies to the last layer's output before the LM head: its final norm,
+    `norm` (Llama and most), `ln_f` (GPT-2, Falcon, Bloom), `final_layer_norm` (GPT-NeoX, OPT),
+    `final_layernorm` (Phi) or `norm_f` (MPT), then OPT's `project_out` where the embedding is
+    narrower than the layers. OPT-350m has no final norm; check_logits_path catches a name this list
+    misses."""
+    owner, _ = _layers_owner(model)
+    norms = [getattr(owner, n) for n in _FINAL_NORMS if getattr(owner, n, None) is not None]
+    steps = norms[:1] + [m for m in [getattr(owner, "project_out", None)] if m is not None]
+    return nn.Sequential(*steps)  # empty: the identity
+
+
+def model_logits(model, hidden):
+    """The model's own logits from the last decoder layer's output h_L (any leading shape):
+
+        z = post(W_out norm(h_L))
+
+    with post what the model's forward applies after the LM head: Gemma-2/3's soft-capping
+    c tanh(z / c), Granite's z / logits_scaling, Cohere's z * logit_scale. So that the KL
+    importance, the teacher cache and the student all see log_softmax(model(x).logits), not a near
+    relative."""
+    logits = model.get_output_embeddings()(final_norm(model)(hidden))
+    cfg = model.config.get_text_config()
+    if (cap := getattr(cfg, "final_logit_softcapping", None)) is not None:
+        logits = torch.tanh(logits / cap) * cap
+    if (scaling := getattr(cfg, "logits_scaling", None)) is not None:  # Granite (MoE) divides
+        logits = logits / scaling
+    # Cohere multiplies by a float attribute (CLIP-like models hold a tensor of that name)
+    if (scale := getattr(model, "logit_scale", None)) is not None and not torch.is_tensor(scale):
+        logits = logits * scale
+    return logits
+
+
+def last_layer_output(model, input_ids, attention_mask=None):
+    """(h_L, the model's own logits at the last position) from one forward that computes the LM head
+    for the last position only (logits_to_keep=1), so no (T, V) tensor is made here."""
+    out = {}
+    hook = decoder_layers(model)[-1].register_forward_hook(
+        lambda module, args, output: out.update(h=output if torch.is_tensor(output) else output[0]))
+    try:
+        last = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                     logits_to_keep=1).logits
+    finally:
+        hook.remove()
+    return out["h"], last[:, -1]
+
+
+def check_logits_path(model, h, last_logits):
+    """Refuse, with one line, an architecture whose forward does something after its last decoder
+    layer that model_logits does not (a final norm under another name, another logit scale): the
+    recomputed logits of the last position must be the model's own."""
+    z = model_logits(model, h[:, -1]).float()
+    ref = last_logits.float()
+    if (z - ref).abs().max() > 1e-2 * (1 + ref.abs().max()):
+        raise E3Error(f"{type(model).__name__}: logits recomputed from the last layer's output "
+                      f"differ from the model's own by {(z - ref).abs().max():.3g}; teach "
+                      f"surgery.model_logits this architecture's final norm or logit scale")
+
+
+# -----------------------------------------------------------------------------
+# LoRA targets (SPEC 4)
+
+# MoE routers: Mixtral/Qwen/DeepSeek `gate`, Llama-4 and GPT-OSS `router`, Qwen-MoE shared gate
+_ROUTERS = ("gate", "router", "shared_expert_gate")
+
+
+def lora_targets(layer):
+    """The nn.Linear maps of a decoder layer that LoRA adapts (SPEC 4): attention and the dense or
+    shared-expert MLP. Routers are left out: a low-rank change to a router reroutes tokens between
+    experts the adapters never see. Routed experts are fused 3-D tensors in transformers >= 5 (not
+    nn.Linear) and stay frozen: their LoRA would be one adapter per expert, optional in the
+    paper."""
+    return [mod for name, mod in layer.named_modules()
+            if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] not in _ROUTERS]
+
+
+# -----------------------------------------------------------------------------
 # Layer importance (SPEC 1)
 
 class _Recorder:
@@ -111,26 +202,8 @@ class _Recorder:
             h.remove()
 
 
-def lm_head_logits(model, h):
-    """Logits from the last decoder layer's output: final norm, LM head, and the final-logit
-    soft-capping that Gemma-2/3 apply. Mirrors the model's own forward after its layer loop."""
-    owner, _ = _layers_owner(model)
-    h = owner.norm(h)
-    logits = model.get_output_embeddings()(h)
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap is not None:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
-
-
-def _kl_per_token(logits_q, logp):
-    """KL(q || p) per token, q from logits (upcast to fp32), p given as log-probabilities."""
-    logq = F.log_softmax(logits_q.float(), dim=-1)
-    return (logq.exp() * (logq - logp)).sum(-1)
-
-
 @torch.no_grad()
-def layer_importance(model, batches, method="kl", vocab=None, generator=None):
+def layer_importance(model, batches, method="kl", vocab=None, generator=None, chunk=1024):
     """Per-layer importance s (float64, length L; larger = more important), SPEC 1.
 
     batches: iterable of (input_ids, attention_mask or None, weight) with weight 0 for the padding
@@ -138,6 +211,8 @@ def layer_importance(model, batches, method="kl", vocab=None, generator=None):
       kl:     s_l = mean_tokens KL(p_{-l} || p), p the full model, p_{-l} the model with layer l bypassed.
               Prefix reuse: the input of layer l is the same in both models, so the skip-l run starts
               there and calls only layers l+1..L-1 (about L^2/2 layer calls instead of L(L+1)).
+              The LM head and softmax run on `chunk` tokens at a time (_chunked_kl): peak memory
+              ~ chunk x V, not T x V.
       bi:     ShortGPT's Block Influence, s_l = mean_tokens 1 - cos(x_l, x_{l+1}), read with hooks.
       random: i.i.d. N(0, 1) scores from `generator`, for ablations.
     Under torchrun every rank calls this with its own share of batches; totals are all-reduced.
@@ -146,32 +221,25 @@ def layer_importance(model, batches, method="kl", vocab=None, generator=None):
     L = len(layers)
     if method == "random":
         return torch.randn(L, generator=generator, dtype=torch.float64)
+    if method not in ("kl", "bi"):
+        raise ValueError(f"unknown importance method {method!r}")
     dev = next(model.parameters()).device
     total = torch.zeros(L + 1, dtype=torch.float64, device=dev)  # L sums, then the token count
     rec = _Recorder(layers)
     try:
-        for ids, attn, weight in batches:
-            ids = ids.to(dev)
-            # one full forward records every layer's input (for kl's prefix reuse, and x_l for bi) and output
+        for n, (ids, attn, weight) in enumerate(batches):
+            ids, attn = ids.to(dev), None if attn is None else attn.to(dev)
+            # one full forward records every layer's input (kl's prefix reuse, bi's x_l) and output
             rec.active = True
-            valid = torch.ones_like(ids, dtype=torch.bool) if attn is None else attn.to(dev).bool()
+            valid = torch.ones_like(ids, dtype=torch.bool) if attn is None else attn.bool()
             valid &= bool(weight)  # a weight-0 padding batch still runs (FSDP) but counts no tokens
-            logits = model(input_ids=ids, attention_mask=None if attn is None else attn.to(dev), use_cache=False).logits
-            if vocab:
-                logits = logits[..., :vocab]
+            h_full, last_logits = last_layer_output(model, ids, attn)
             rec.active = False
-            # log p of the full model, once per batch: the reference of all L KL terms (fp32: bf16 logits
-            # lose the small probabilities that KL sums over)
-            logp = F.log_softmax(logits.float(), dim=-1) if method == "kl" else None
-            for i in range(L):
-                if method == "bi":
-                    x, y = _hidden(*rec.calls[i]), rec.outputs[i]
-                    score = 1 - F.cosine_similarity(x.float(), y.float(), dim=-1)
-                elif method == "kl":
-                    score = _kl_per_token(_skip_layer_logits(model, layers, rec, i)[..., : logp.shape[-1]], logp)
-                else:
-                    raise ValueError(f"unknown importance method {method!r}")
-                total[i] += (score.double() * valid).sum()
+            # the root unit (final norm, LM head) stays gathered through this batch's L skip runs
+            with _root_unsharded(model):
+                if n == 0 and method == "kl":
+                    check_logits_path(model, h_full, last_logits)
+                total[:L] += _batch_scores(model, layers, rec, method, h_full, vocab, chunk, valid)
             total[L] += valid.sum()
     finally:
         rec.remove()
@@ -179,19 +247,61 @@ def layer_importance(model, batches, method="kl", vocab=None, generator=None):
     return (total[:L] / total[L].clamp(min=1)).cpu()
 
 
-def _skip_layer_logits(model, layers, rec, skip):
-    """Logits of the model with layer `skip` bypassed, starting from the recorded input of that layer."""
+def _batch_scores(model, layers, rec, method, h_full, vocab, chunk, valid):
+    """Sum over the valid tokens of one batch of each layer's score, (L,) float64."""
+    # one chunk holds every token: the full model's log p is made once, not once per layer
+    single = method == "kl" and valid.numel() <= chunk
+    logp_full = _log_probs(model, h_full.flatten(0, -2), vocab) if single else None
+    sums = []
+    for i in range(len(layers)):
+        if method == "bi":
+            x, y = _hidden(*rec.calls[i]), rec.outputs[i]
+            score = 1 - F.cosine_similarity(x.float(), y.float(), dim=-1)
+        else:
+            h_skip = _skip_layer_hidden(layers, rec, i)
+            score = _chunked_kl(model, h_skip, h_full, vocab, chunk, logp_full)
+        sums.append((score.double() * valid).sum())
+    return torch.stack(sums)
+
+
+def _skip_layer_hidden(layers, rec, skip):
+    """The last layer's output of the model with layer `skip` bypassed, from that layer's recorded
+    input."""
     args, kwargs = rec.calls[skip]
     h = _hidden(args, kwargs)  # x_skip: identical in the full and the skip-l model (prefix reuse)
-    # replay layers skip+1.. with the recorded kwargs (position embeddings, masks), swapping in the new h
+    # replay layers skip+1.. with the recorded kwargs (position embeddings, masks), swapping in the
+    # new h
     for j in range(skip + 1, len(layers)):
         a, kw = rec.calls[j]
         a = (h, *a[1:]) if a else a
         kw = kw if a else {**kw, "hidden_states": h}
         out = layers[j](*a, **kw)
         h = out if torch.is_tensor(out) else out[0]
-    with _root_unsharded(model):
-        return lm_head_logits(model, h)
+    return h
+
+
+def _log_probs(model, h, vocab):
+    """log p from last-layer outputs h (N, H), in fp32: bf16 logits lose the small probabilities
+    that KL sums over. Columns past the tokenizer's vocabulary (embedding padding rows) go."""
+    return F.log_softmax(model_logits(model, h)[..., :vocab].float(), dim=-1)
+
+
+def _chunked_kl(model, h_skip, h_full, vocab, chunk, logp_full=None):
+    """KL(p_{-l} || p) = sum_v q_v (log q_v - log p_v) per token, q = p_{-l}, (B, T), from the two
+    models' last-layer outputs, `chunk` tokens at a time: each chunk's logits are made, used and
+    freed before the next.
+
+    The full model's log p is recomputed per chunk (one more LM head per skipped layer: a few % of a
+    paper-scale model's L^2/2 layer calls) unless the caller passes it (`logp_full`, when one chunk
+    holds every token); keeping it for all tokens is the T x V tensor this avoids."""
+    B, T, _ = h_skip.shape
+    q, p = h_skip.reshape(B * T, -1), h_full.reshape(B * T, -1)
+    out = []
+    for c in range(0, B * T, chunk):
+        logp = logp_full if logp_full is not None else _log_probs(model, p[c:c + chunk], vocab)
+        logq = _log_probs(model, q[c:c + chunk], vocab)
+        out.append((logq.exp() * (logq - logp)).sum(-1))
+    return torch.cat(out).view(B, T)
 
 
 class _root_unsharded:
@@ -226,16 +336,140 @@ def top_k_layers(scores, k, protected=()):
 # -----------------------------------------------------------------------------
 # Physical removal and export (SPEC 5)
 
+# Per-layer settings in the config. Removal renumbers the layers, so every setting keyed by a
+# layer's index is rewritten for the kept ones: lists with one value per layer are sliced, index
+# lists renumbered, and the index rules of the MoE families turned into an explicit layout and
+# written back.
+
+# layers [0, k) dense: DeepSeek-V2/V3, GLM-4-MoE, dots1 (first_k_...), AFMoE, LFM2-MoE (num_...)
+_DENSE_PREFIX = ("first_k_dense_replace", "num_dense_layers")
+# one value per layer, even where the values read like indices (L <= 2)
+_PER_LAYER = ("layer_types", "no_rope_layers")
+_INDEX_NAMES = ("layer_idx", "layer_id", "layer_index", "layer_number")  # renumbered, not a layout
+
+
+def _layer_configs(config, L):
+    """The config objects that describe these L decoder layers: the model's, or a multimodal
+    wrapper's text_config (Gemma3), or both."""
+    found = [config] + [v for v in vars(config).values() if hasattr(v, "num_hidden_layers")]
+    return [cfg for cfg in found if getattr(cfg, "num_hidden_layers", None) == L]
+
+
+def _is_index_list(key, value, L):
+    """A `*_layers` setting listing layer indices (Qwen-MoE mlp_only_layers, Llama-4 moe_layers)."""
+    return (key.endswith("_layers") and key not in _PER_LAYER and isinstance(value, (list, tuple))
+            and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < L for i in value)
+            and len(set(value)) == len(value))
+
+
+def _qwen_sparse_layers(cfg, L):
+    """Qwen2/3-MoE: layer i is sparse iff i is not in mlp_only_layers and
+    (i + 1) % decoder_sparse_step == 0."""
+    step, dense = cfg.decoder_sparse_step, set(getattr(cfg, "mlp_only_layers", None) or ())
+    return {i for i in range(L) if i not in dense and (i + 1) % step == 0}
+
+
+def _ernie_sparse_layers(cfg, L):
+    """ERNIE-4.5-MoE: layer i is sparse iff (i + 1) % interval == 0 and start <= i <= end."""
+    start, every = cfg.moe_layer_start_index, cfg.moe_layer_interval
+    end = L - 1 if cfg.moe_layer_end_index == -1 else cfg.moe_layer_end_index
+    return {i for i in range(L) if (i + 1) % every == 0 and start <= i <= end}
+
+
+def _rewrite_layer_settings(cfg, keep, L):
+    """Rewrite, in place, every per-layer setting of `cfg` (describing L layers) for the layers
+    `keep`."""
+    new_index = {i: j for j, i in enumerate(keep)}
+    has = lambda key: isinstance(getattr(cfg, key, None), int)  # noqa: E731
+    qwen = _qwen_sparse_layers(cfg, L) if has("decoder_sparse_step") else None
+    ernie = _ernie_sparse_layers(cfg, L) if has("moe_layer_interval") else None
+    for key, value in list(vars(cfg).items()):
+        if key.startswith("_"):
+            continue
+        if key in _DENSE_PREFIX and isinstance(value, int):
+            setattr(cfg, key, sum(i < value for i in keep))  # the kept dense layers stay a prefix
+        elif _is_index_list(key, value, L):
+            setattr(cfg, key, type(value)(new_index[i] for i in value if i in new_index))
+        elif isinstance(value, (list, tuple)) and len(value) == L:
+            setattr(cfg, key, type(value)(value[i] for i in keep))
+    if qwen is not None:  # any kept layout: every layer may be sparse (step 1), dense ones listed
+        cfg.decoder_sparse_step = 1
+        cfg.mlp_only_layers = [j for j, i in enumerate(keep) if i not in qwen]
+    if ernie is not None:
+        sparse = [j for j, i in enumerate(keep) if i in ernie]
+        if sparse and sparse != list(range(sparse[0], sparse[-1] + 1)):
+            raise E3Error(f"keeping layers {keep} leaves MoE layers {sparse}, which ERNIE's "
+                          f"moe_layer_start_index/end_index/interval cannot describe; keep another "
+                          f"set")
+        cfg.moe_layer_interval = 1
+        first, last = (sparse[0], sparse[-1]) if sparse else (len(keep), -1)  # none: an empty range
+        cfg.moe_layer_start_index, cfg.moe_layer_end_index = first, last
+    cfg.num_hidden_layers = len(keep)
+
+
+def _layer_signature(layer):
+    """What a layer's constructor made of its index: every submodule's type, scalar attributes
+    (e.g. `sliding_window`, `use_rope`, `is_moe_layer`) and parameter shapes, the index left out."""
+    sig = {}
+    for name, mod in layer.named_modules():
+        sig[name] = type(mod).__name__
+        for k, v in vars(mod).items():
+            if not k.startswith("_") and k not in _INDEX_NAMES + ("training",) \
+                    and (v is None or isinstance(v, (bool, int, float, str))):
+                sig[f"{name}:{k}"] = v
+    for name, t in [*layer.named_parameters(), *layer.named_buffers()]:
+        sig[f"{name}:shape"] = tuple(t.shape)
+    return sig
+
+
+def _meta_layers(config):
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        return decoder_layers(AutoModelForCausalLM.from_config(copy.deepcopy(config)))
+
+
+def pruned_config(config, keep):
+    """A copy of `config` for the model that keeps decoder layers `keep` (sorted original indices),
+    checked: built on the meta device, its layer j must be what layer keep[j] was
+    (_layer_signature). A kept layout that the config cannot express ends with one E3Error line."""
+    L = config.get_text_config().num_hidden_layers
+    new = copy.deepcopy(config)
+    for cfg in _layer_configs(new, L):
+        _rewrite_layer_settings(cfg, keep, L)
+    before, after = _meta_layers(config), _meta_layers(new)
+    for j, i in enumerate(keep):
+        a, b = _layer_signature(before[i]), _layer_signature(after[j])
+        if a != b:
+            diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+            raise E3Error(f"{config.model_type}: after removal, layer {i} (now {j}) would be built "
+                          f"differently ({', '.join(diff[:3])}): its config keys this layer's "
+                          f"layout to its index in a way surgery._rewrite_layer_settings does not "
+                          f"know; this architecture cannot be pruned")
+    return new
+
+
+def check_removable(config, kept=None):
+    """Refuse, before any work, a model whose layers cannot be removed consistently: `kept` checked
+    as given, or (kept=None, the search has not chosen yet) two probes that shift every index (drop
+    layer 0) and halve it (every other layer), which break any index rule left unrewritten."""
+    L = config.get_text_config().num_hidden_layers
+    for keep in [sorted(kept)] if kept is not None else [list(range(1, L)), list(range(0, L, 2))]:
+        if keep:
+            pruned_config(config, keep)
+
+
 def remove_layers(model, keep):
     """Keep only the decoder layers `keep` (original indices), in place, and make the model consistent:
     the ModuleList, every attention module's layer_idx (the KV cache is indexed by it), every per-layer
-    list in the config (e.g. Gemma3's `layer_types`), and num_hidden_layers."""
+    setting of the config (pruned_config: `layer_types` sliced, MoE layouts rewritten), and
+    num_hidden_layers."""
     keep = sorted(keep)
     owner, attr = _layers_owner(model)
     layers = getattr(owner, attr)
     L = len(layers)
     if not keep or keep[-1] >= L or len(set(keep)) != len(keep):
         raise ValueError(f"bad layer list {keep} for {L} layers")
+    pruned_config(model.config, keep)  # raises before anything changes
     setattr(owner, attr, nn.ModuleList([layers[i] for i in keep]))
     # the KV cache has k slots after the cut: a kept layer that still says layer_idx 27 would index past
     # the end (or share a slot) once generate() runs with use_cache=True
@@ -243,16 +477,9 @@ def remove_layers(model, keep):
         for m in layer.modules():
             if isinstance(getattr(m, "layer_idx", None), int):
                 m.layer_idx = new_idx
-    # multimodal wrappers (Gemma3) keep the decoder's numbers in a sub-config (text_config): slice every
-    # config that describes these L layers. Any list of length L is taken to be per-layer.
-    configs = [model.config] + [v for v in vars(model.config).values() if hasattr(v, "num_hidden_layers")]
-    for cfg in configs:
-        if getattr(cfg, "num_hidden_layers", None) != L:
-            continue
-        for key, value in list(vars(cfg).items()):
-            if isinstance(value, (list, tuple)) and len(value) == L and not key.startswith("_"):
-                setattr(cfg, key, type(value)(value[i] for i in keep))
-        cfg.num_hidden_layers = len(keep)
+    # in place: the layers' modules hold references to these config objects
+    for cfg in _layer_configs(model.config, L):
+        _rewrite_layer_settings(cfg, keep, L)
     return model
 
 
@@ -272,10 +499,18 @@ def write_atomically(out_dir, write):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def export(model, tok, out_dir, keep, layers_before, info):
-    """Save `model` (on CPU, unsharded; all `layers_before` original layers, or already pruned to `keep`)
-    as a plain HF checkpoint: safetensors, config, tokenizer, generation config, and pruning.json with
-    `info` plus the layer lists (original indices)."""
+# copied byte for byte from a local source: what the user gave, not a re-serialisation
+_SOURCE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json",
+                 "merges.txt", "chat_template.jinja", "chat_template.json")
+
+
+def export(model, tok, out_dir, keep, layers_before, info, source=None):
+    """Save `model` (on CPU, unsharded; all `layers_before` original layers, or already pruned to
+    `keep`) as a plain HF checkpoint: safetensors, config, tokenizer, generation config, and
+    pruning.json with `info` plus the layer lists (original indices). With `source` (a local
+    checkpoint folder), its generation config, tokenizer files and chat template are copied over
+    those written here."""
     L = layers_before
     if len(decoder_layers(model)) == L:
         remove_layers(model, keep)
@@ -285,7 +520,43 @@ def export(model, tok, out_dir, keep, layers_before, info):
     def write(tmp):
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
+        for name in _SOURCE_FILES if source is not None and Path(source).is_dir() else ():
+            if (Path(source) / name).exists():
+                shutil.copyfile(Path(source) / name, tmp / name)
         (tmp / "pruning.json").write_text(json.dumps(meta, indent=2) + "\n")
 
     write_atomically(out_dir, write)
     return meta
+
+
+def source_dtype(config):
+    """The dtype the source checkpoint was saved in (config `dtype`, `torch_dtype` before
+    transformers 5); fp32 when it does not say."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def export_pruned(source, state, kept, layers_before, tok, out_dir, info):
+    """Export the pruned model as the user gave the source, with no second full copy of the weights:
+
+    the source model is built on the meta device from its config, pruned to `kept`, handed the
+    gathered full `state` (fp32 master weights, keys of the pruned model) with assign=True, re-tied,
+    cast back to the SOURCE checkpoint's dtype (bf16 stays bf16), given the source's generation
+    config, and written atomically with its tokenizer files, chat template and pruning.json
+    (export)."""
+    from transformers import AutoConfig, GenerationConfig
+    dtype = source_dtype(AutoConfig.from_pretrained(source))  # before from_config writes fp32
+    model, _ = load_model(source, "cpu", torch.float32, weights=False)
+    remove_layers(model, kept)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()  # assign replaced the shared embedding/LM-head tensor by two copies
+    # all of it, as save_pretrained wrote the source (from_pretrained upcasts what it keeps in fp32)
+    model.to(dtype)
+    model.config.dtype = dtype
+    try:  # the source's EOS list, temperature, top_p...; defaults only when it has none
+        model.generation_config = GenerationConfig.from_pretrained(source)
+    except OSError:
+        pass
+    return export(model, tok, out_dir, kept, layers_before, info, source=source)
+
+

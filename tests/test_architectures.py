@@ -1,0 +1,303 @@
+"""Every architecture users prune, on tiny random configs (hidden 32, 4 experts): the model's own
+logits from the last layer's output, MoE layouts rewritten at removal, and the export round trip (no
+missing or unexpected weights, logits == the source with the removed layers bypassed, KV-cache
+generation, the source's generation config, dtype, tokenizer files and chat template)."""
+import json
+import types
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from common import E3Error
+from surgery import (LayerGates, check_logits_path, check_removable, decoder_layers, export_pruned,
+                     last_layer_output, layer_importance, lora_targets, model_logits, remove_layers)
+from test_prune import (assert_one_line_error, corpus, events, run, tiny_args,  # noqa: F401
+                        weights)  # (corpus: a fixture)
+
+L, KEEP = 6, [0, 2, 3, 5]  # removes layers 1 and 4: a dense and a sparse one in every MoE below
+VOCAB = 49152  # the demo tokenizer's: its files and chat template travel with the export
+ATTN = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            intermediate_size=64)
+EXPERTS = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+MLA = dict(num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=2,
+           n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+           qk_nope_head_dim=8, v_head_dim=8)  # DeepSeek: dense 0, 1
+
+# arch -> (model_type, settings). The MoE layouts are the issue's: which layers are sparse hangs on
+# the index.
+CONFIGS = {
+    "llama": ("llama", dict(ATTN)),
+    "mixtral": ("mixtral", dict(ATTN, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("qwen2_moe", dict(ATTN, **EXPERTS, num_experts=4, decoder_sparse_step=2,
+                                    shared_expert_intermediate_size=32)),  # sparse: 1, 3, 5
+    "qwen3_moe": ("qwen3_moe", dict(ATTN, **EXPERTS, num_experts=4,
+                                    mlp_only_layers=[1, 3])),  # dense: 1, 3
+    "deepseek_v3": ("deepseek_v3", dict(ATTN, **EXPERTS, **MLA)),
+    "deepseek_v2": ("deepseek_v2", dict(ATTN, **EXPERTS, **MLA)),
+    "gpt_oss": ("gpt_oss", dict(ATTN, num_local_experts=4, num_experts_per_tok=2,
+                                sliding_window=4)),
+    "llama4_text": ("llama4_text", dict(ATTN, num_local_experts=4, num_experts_per_tok=1,
+                                        intermediate_size_mlp=64, interleave_moe_layer_step=2,
+                                        no_rope_layer_interval=2, attention_chunk_size=8)),
+    #                                                  sparse: 1, 3, 5; no rope: 1, 3, 5
+    "olmoe": ("olmoe", dict(ATTN, num_experts=4, num_experts_per_tok=2)),
+    "granitemoe": ("granitemoe", dict(ATTN, num_local_experts=4, num_experts_per_tok=2,
+                                      logits_scaling=4.0)),
+    "granite": ("granite", dict(ATTN, logits_scaling=4.0)),  # the model divides its logits
+    "cohere": ("cohere", dict(ATTN, logit_scale=0.5)),  # the model multiplies its logits
+    "gemma3_text": ("gemma3_text", dict(ATTN, sliding_window=4, final_logit_softcapping=3.0,
+                                        query_pre_attn_scalar=8)),
+    "gpt2": ("gpt2", dict(n_embd=32, n_head=4, n_inner=64)),  # ln_f
+    "gpt_neox": ("gpt_neox", dict(hidden_size=32, num_attention_heads=4, intermediate_size=64)),
+    "opt": ("opt", dict(hidden_size=32, num_attention_heads=4, ffn_dim=64,
+                        word_embed_proj_dim=16)),  # final_layer_norm, then project_out
+}
+
+
+def tiny(arch, layers=L, seed=0, dtype=torch.float32):
+    model_type, settings = CONFIGS[arch]
+    n = "n_layer" if arch == "gpt2" else "num_hidden_layers"
+    cfg = AutoConfig.for_model(model_type, vocab_size=VOCAB, max_position_embeddings=64,
+                               initializer_range=0.2, **{n: layers}, **settings)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+
+
+def ids(seed=0, shape=(2, 12)):
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def bypass(model, removed):
+    """Independent reference: the removed layers return their input unchanged."""
+    for i in removed:
+        layer = decoder_layers(model)[i]
+        layer.forward = types.MethodType(lambda self, hidden_states, *a, **k: hidden_states, layer)
+    return model
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_model_logits_are_the_models_own(arch):
+    model = tiny(arch)
+    x = ids()
+    with torch.no_grad():
+        h, last = last_layer_output(model, x)
+        torch.testing.assert_close(model_logits(model, h), model(x).logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last, model(x).logits[:, -1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["granite", "cohere", "gemma3_text", "opt"])
+def test_teacher_cache_is_log_softmax_of_the_models_logits(arch):
+    """The cached top-K log-probs and entropy are those of log_softmax(model(x).logits), whatever
+    the model does after its LM head (Granite divides, Cohere scales, Gemma soft-caps, OPT
+    projects)."""
+    from cache_teacher import teacher_targets
+    model, x = tiny(arch), ids(5)
+    with torch.no_grad():
+        got = teacher_targets(model, x, VOCAB, topk=5)
+        logp = torch.log_softmax(model(x).logits.double(), -1)
+    values, indices = logp.topk(5, dim=-1)
+    torch.testing.assert_close(got["topk_logprobs"].double(), values, rtol=0, atol=1e-5)
+    assert torch.equal(got["topk_ids"], indices)
+    entropy = -(logp.exp() * logp).sum(-1)
+    torch.testing.assert_close(got["entropy"].double(), entropy, rtol=0, atol=1e-4)
+
+
+def test_unknown_logit_transform_is_refused():
+    """A forward that changes its logits after the LM head in a way model_logits does not know."""
+    model = tiny("llama")
+    model.register_forward_hook(lambda m, a, out: out.__setitem__("logits", out.logits * 3) or out)
+    with torch.no_grad(), pytest.raises(E3Error, match="differ from the model's own"):
+        check_logits_path(model, *last_layer_output(model, ids()))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "opt", "granite", "cohere", "qwen2_moe"])
+def test_kl_importance_and_gates_without_llama_norm(arch):
+    """KL importance with prefix reuse == L+1 full forwards with one layer physically removed, and
+    the hard-masked forward == the bypassed model, on decoders whose final norm is not `norm`."""
+    x = ids(1, (2, 10))
+    with torch.no_grad():
+        logp = torch.log_softmax(tiny(arch)(x).logits.double(), -1)
+        ref = []
+        for l in range(L):
+            without_l = remove_layers(tiny(arch), [i for i in range(L) if i != l])
+            logq = torch.log_softmax(without_l(x).logits.double(), -1)
+            ref.append((logq.exp() * (logq - logp)).sum(-1).mean())
+        got = layer_importance(tiny(arch), [(x, None, 1)], "kl")
+    torch.testing.assert_close(got, torch.stack(ref), rtol=1e-4, atol=1e-7)
+    model = tiny(arch)
+    LayerGates(model).mask = torch.tensor([float(i in KEEP) for i in range(L)])
+    with torch.no_grad():
+        reference = bypass(tiny(arch), {1, 4})(x).logits
+        torch.testing.assert_close(model(x).logits, reference, rtol=0, atol=0)
+
+
+def test_kl_importance_chunked_equals_unchunked():
+    model = tiny("qwen3_moe")
+    batches = [(ids(2, (2, 9)), None, 1), (ids(3, (2, 9)), None, 1)]
+    whole = layer_importance(model, batches, "kl", chunk=10 ** 6)
+    for chunk in (5, 7):  # 18 tokens per batch: 4 and 3 chunks, the last one short
+        chunked = layer_importance(model, batches, "kl", chunk=chunk)
+        torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-9)
+
+
+def sparse_layers(model):
+    """Which decoder layers have routed experts, read from the modules themselves."""
+    return [i for i, layer in enumerate(decoder_layers(model))
+            if any(n.endswith("experts") for n, _ in layer.named_modules())]
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "deepseek_v3", "llama4_text"])
+def test_tiny_layouts_mix_dense_and_sparse_layers(arch):
+    """The test configs remove a dense AND a sparse layer (1 and 4): an unrewritten layout shows."""
+    sparse = sparse_layers(tiny(arch))
+    assert 0 < len(sparse) < L and {1, 4} & set(sparse) and {1, 4} - set(sparse)
+
+
+def file_dtypes(folder):
+    """The dtypes of the tensors in a checkpoint's safetensors file, as stored."""
+    f = safe_open(str(folder / "model.safetensors"), "pt")
+    return {f.get_slice(k).get_dtype() for k in f.keys()}
+
+
+def save_source(arch, path, tokenizer):
+    """A bf16 source checkpoint with its own generation config (EOS list, sampling settings)."""
+    model = tiny(arch, dtype=torch.bfloat16)
+    model.generation_config = GenerationConfig(eos_token_id=[2, 7], temperature=0.6, top_p=0.95,
+                                               do_sample=True, max_new_tokens=17)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_export_round_trip(arch, tmp_path, tokenizer):
+    src = save_source(arch, tmp_path / "src", tokenizer)
+    # the pruned model's fp32 master weights, as prune.py gathers them at the end
+    pruned = remove_layers(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), KEEP)
+    state = {k: v.clone() for k, v in pruned.state_dict().items()}
+    out = tmp_path / "pruned"
+    export_pruned(str(src), state, KEEP, L, tokenizer, out, {"source_model": str(src)})
+
+    reloaded, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                          output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    n_layers = reloaded.config.get_text_config().num_hidden_layers
+    assert len(decoder_layers(reloaded)) == n_layers == len(KEEP)
+    source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    reference = bypass(source, {1, 4})
+    x = ids(4)
+    with torch.no_grad():
+        got = reloaded.eval()(x).logits
+        torch.testing.assert_close(got, reference(x).logits, rtol=1e-4, atol=1e-4)
+
+    # what the user gave: dtype, generation config, tokenizer files and chat template
+    assert file_dtypes(out) == file_dtypes(src) == {"BF16"}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert GenerationConfig.from_pretrained(out).to_dict() == \
+        GenerationConfig.from_pretrained(src).to_dict()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / name).exists():
+            assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    assert AutoTokenizer.from_pretrained(out).chat_template == tokenizer.chat_template
+    assert json.loads((out / "pruning.json").read_text())["removed_layers"] == [1, 4]
+
+    gen = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    prompt = x[:1, :6]
+    with_cache = reloaded.generate(prompt, use_cache=True, **gen)
+    without = reloaded.generate(prompt, use_cache=False, **gen)
+    assert with_cache.shape[1] == 14 and torch.equal(with_cache, without)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "deepseek_v3", "llama4_text"])
+def test_moe_layout_written_back(arch):
+    """The pruned config, rebuilt by plain transformers, puts experts where the kept layers had
+    them."""
+    model = tiny(arch)
+    before = sparse_layers(model)
+    remove_layers(model, KEEP)
+    rebuilt = AutoModelForCausalLM.from_config(model.config)
+    expected = [j for j, i in enumerate(KEEP) if i in before]
+    assert sparse_layers(rebuilt) == sparse_layers(model) == expected
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_every_tested_family_passes_the_start_check(arch):
+    """prune.py's check before any work (no layer set chosen yet: the two probes) lets them all
+    through."""
+    check_removable(tiny(arch).config)
+
+
+def test_layout_the_config_cannot_express_is_refused():
+    """ERNIE-4.5-MoE describes its MoE layers by a range and an interval: here every other layer
+    (1, 3, 5); keeping 1 and 3 without 2 cannot be said, keeping 1, 3, 5 without 2 and 4 can (a
+    range of three)."""
+    cfg = AutoConfig.for_model("ernie4_5_moe", vocab_size=64, num_hidden_layers=L,
+                               moe_num_experts=4, moe_k=2, moe_layer_start_index=1,
+                               moe_layer_interval=2, moe_intermediate_size=32, **ATTN)
+    check_removable(cfg, [0, 1, 3, 5])
+    with pytest.raises(E3Error, match="cannot describe"):
+        check_removable(cfg, [0, 1, 2, 3])
+    # a hybrid: attention or Mamba, MoE or dense, by a period and an offset of the index
+    jamba = AutoConfig.for_model("jamba", vocab_size=64, num_hidden_layers=4, num_experts=2,
+                                 attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                                 expert_layer_offset=1, **ATTN)
+    with pytest.raises(E3Error, match="cannot be pruned"):
+        check_removable(jamba)
+
+
+def test_prune_refuses_an_inexpressible_layout_before_any_work(tokenizer, corpus, tmp_path):
+    """ERNIE with MoE on every other layer: some layer sets the search may pick cannot be written
+    back, so prune.py stops at once, with one line, and writes nothing."""
+    cfg = AutoConfig.for_model("ernie4_5_moe", vocab_size=VOCAB, num_hidden_layers=L,
+                               max_position_embeddings=64, moe_num_experts=4, moe_k=2,
+                               moe_layer_start_index=1, moe_layer_interval=2,
+                               moe_intermediate_size=32, **ATTN)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "ernie")
+    tokenizer.save_pretrained(tmp_path / "ernie")
+    proc = run(tiny_args(str(tmp_path / "ernie"), corpus, tmp_path / "out"), tmp_path, check=False)
+    assert_one_line_error(proc, "cannot describe")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "teacher").exists()
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3", "llama4_text", "mixtral"])
+def test_lora_targets_attention_and_dense_mlps_not_routers(arch):
+    model = tiny(arch)
+    for layer in decoder_layers(model):
+        names = {n for n, m in layer.named_modules() if any(m is t for t in lora_targets(layer))}
+        assert {"self_attn.o_proj"} <= names
+        assert not {n.rsplit(".", 1)[-1] for n in names} & {"gate", "router", "shared_expert_gate"}
+        dense = not any(n.endswith("experts") for n, _ in layer.named_modules())
+        if dense:  # its MLP adapts
+            assert any("mlp" in n or "feed_forward" in n for n in names)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, tokenizer):
+    """saved(arch) -> folder of the tiny fp32 model with the demo tokenizer (for prune.py)."""
+    def save(arch):
+        path = tmp_path_factory.getbasetemp() / f"arch-{arch}"
+        if not (path / "config.json").exists():
+            tiny(arch).save_pretrained(path)
+            tokenizer.save_pretrained(path)
+        return str(path)
+    return save
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, extra", [("deepseek_v3", []), ("qwen2_moe", ["--lora-rank", "4"])])
+def test_moe_two_fsdp_ranks_match_one_process(arch, extra, saved, corpus, tmp_path):
+    """prune.py end to end on MoE models (KL importance, Gumbel search, removal, AKD, export): 2
+    gloo ranks under FSDP2 == 1 process; Qwen2-MoE with LoRA on attention and the dense/shared MLPs.
+    The export reloads with every weight in place."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    run(tiny_args(saved(arch), corpus, one, *extra), tmp_path)
+    run(tiny_args(saved(arch), corpus, two, *extra), tmp_path, nproc=2)
+    assert events(two, "pruned")[0]["kept"] == events(one, "pruned")[0]["kept"]
+    a, b = weights(one), weights(two)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-4, msg=lambda m: f"{key}: {m}")
+    _, info = AutoModelForCausalLM.from_pretrained(two / "model", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
