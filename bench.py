@@ -44,7 +44,8 @@ def _sync(device):
 
 def side_by_side(a, b, repeats, device):
     """Run a() and b() alternately, one warm-up round first. Returns the medians of a's and b's seconds
-    and the median over rounds of a's time / b's time (paired, so a slow moment mostly cancels)."""
+    and every round's a-time / b-time (paired, so a slow moment mostly cancels; report() prints their
+    median and spread)."""
     # Alternating a, b, a, b (not all a's then all b's) pairs each a with a b taken moments later: on a
     # noisy machine both see the same background load, so the per-round ratio is steadier than either time.
     ta, tb = [], []
@@ -59,11 +60,16 @@ def side_by_side(a, b, repeats, device):
         if r:  # round 0 is the warm-up: allocator, kernel selection, first-touch page faults
             ta.append(t1 - t0)
             tb.append(t2 - t1)
-    return statistics.median(ta), statistics.median(tb), statistics.median(x / y for x, y in zip(ta, tb))
+    return statistics.median(ta), statistics.median(tb), [x / y for x, y in zip(ta, tb)]
 
 
-def report(name, ratio, goal, what, detail):
-    print(f"{name}: {ratio:.3f} {what} (goal {goal}) [{detail}]", flush=True)
+def report(name, ratios, goal, what, detail):
+    """One line: the median ratio, then (rounds: min / median / max) when there are several rounds, so
+    a reader can tell a real cost from the machine's noise."""
+    ratios = ratios if isinstance(ratios, list) else [ratios]
+    spread = f" (rounds: {min(ratios):.3f} / {statistics.median(ratios):.3f} / {max(ratios):.3f})" \
+        if len(ratios) > 1 else ""
+    print(f"{name}: {statistics.median(ratios):.3f} {what} (goal {goal}){spread} [{detail}]", flush=True)
 
 
 def _corpus_blocks(tok, seq_len, n):
@@ -194,7 +200,7 @@ def bench_caching(seq_len=256, batch_size=4, shards=2, shard_seqs=4, topk=10, re
     t_cache, t_plain, ratio = side_by_side(caching, plain, repeats, device)
     # reported as throughput (plain time / caching time) so that ">= 0.9" reads as "loses at most 10%"
     n = blocks.numel()
-    report("caching", 1 / ratio, ">= 0.9", "of plain-forward throughput", f"{n / t_cache:.0f} vs {n / t_plain:.0f} "
+    report("caching", [1 / r for r in ratio], ">= 0.9", "of plain-forward throughput", f"{n / t_cache:.0f} vs {n / t_plain:.0f} "
            f"tok/s; {size['bytes'] / n:.1f} bytes/token (goal <= 64 at K={topk}); {shards * shard_seqs}x{seq_len} tokens")
 
 
