@@ -226,6 +226,12 @@ def top_k_layers(scores, k, protected=()):
 # -----------------------------------------------------------------------------
 # Physical removal and export (SPEC 5)
 
+def layer_configs(model):
+    """The model's config and its sub-configs that may count decoder layers: multimodal wrappers
+    (Gemma3) keep the decoder's numbers in a sub-config (text_config)."""
+    return [model.config] + [v for v in vars(model.config).values() if hasattr(v, "num_hidden_layers")]
+
+
 def remove_layers(model, keep):
     """Keep only the decoder layers `keep` (original indices), in place, and make the model consistent:
     the ModuleList, every attention module's layer_idx (the KV cache is indexed by it), every per-layer
@@ -243,10 +249,8 @@ def remove_layers(model, keep):
         for m in layer.modules():
             if isinstance(getattr(m, "layer_idx", None), int):
                 m.layer_idx = new_idx
-    # multimodal wrappers (Gemma3) keep the decoder's numbers in a sub-config (text_config): slice every
-    # config that describes these L layers. Any list of length L is taken to be per-layer.
-    configs = [model.config] + [v for v in vars(model.config).values() if hasattr(v, "num_hidden_layers")]
-    for cfg in configs:
+    # Any list of length L in a config that describes these L layers is taken to be per-layer.
+    for cfg in layer_configs(model):
         if getattr(cfg, "num_hidden_layers", None) != L:
             continue
         for key, value in list(vars(cfg).items()):
