@@ -6,6 +6,7 @@ exactly those two; 2 FSDP ranks search exactly as one process does."""
 import itertools
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -92,6 +93,8 @@ def test_evo_search_finds_the_optimum_and_counts_its_forward_tokens():
     fits = [h["fitness"] for h in out["history"]]
     assert fits == sorted(fits, reverse=True)  # elitist: never worse than the parent
     assert len(calls) == len(set(calls))  # each (genome, tokens) scored once
+    # no generation wastes its children on genomes scored before: 8 new ones each
+    assert sum(n == 16 for _, n in calls) == 40 * 8
     assert out["forward_tokens"] == sum(n for _, n in calls)
     # a generation scores 8 children on 16 tokens and at most the 2 survivors on 64
     assert out["forward_tokens"] <= 64 + 40 * (8 * 16 + 2 * 64)
@@ -113,6 +116,10 @@ def test_random_search_is_the_best_of_its_candidates():
 def test_bad_search_settings_fail_with_one_clear_error():
     score = additive_score([0.0] * 6, [])
     gen = torch.Generator()
+    assert baselines.parse_stages("512:2,4096:1") == [(512, 2), (4096, 1)]
+    for bad in ("512", "512:2,x:1", "512:2:1", ""):
+        with pytest.raises(baselines.E3Error, match="TOKENS:SURVIVORS"):
+            baselines.parse_stages(bad)
     with pytest.raises(baselines.E3Error, match="survivor"):
         evo_search(score, 6, 4, [0, 5], gen, 1, 4, stages=[(16, 2)])
     with pytest.raises(baselines.E3Error, match="keep"):
@@ -258,7 +265,7 @@ def test_evo_search_removes_the_planted_identity_layers(planted, planted_cache):
     assert out["history"][0]["fitness"] > 1e-3  # the planted layers are the only free lunch
 
 
-def test_gumbel_search_in_prune_py_removes_the_planted_layers(planted, corpus, tmp_path):  # noqa: F811
+def test_prune_py_gumbel_search_finds_the_planted_layers(planted, corpus, tmp_path):  # noqa: F811
     """prune.py as it is: random init (the planted layers start ranked highest among the free ones),
     weights frozen (--lr 0, so the identity layers stay the identity), the whole run a search."""
     path, identity = planted
@@ -302,7 +309,9 @@ def test_evo_search_on_two_fsdp_ranks_matches_one_process(planted, planted_cache
     script.write_text(EVO_ON_RANKS)
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
-    port = str(29500 + os.getpid() % 1000)
+    with socket.socket() as sock:  # a free port: other test runs may be using torchrun too
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                 "--master_port", port]
     proc = subprocess.run(launcher + [str(script), path, cache], env=env, capture_output=True,
