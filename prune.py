@@ -48,9 +48,10 @@ from surgery import (LayerGates, check_removable, decoder_layers, export_pruned,
 # Settings. Flags left unset take the packaged demo's values when --model is not given (sized for a
 # 2-core CPU, ~10 minutes) and the paper's (Appendix E) otherwise; None = a fraction of T (below).
 DEMO = dict(keep=20, seq_len=128, n_calib=16, tokens=40_960, batch_size=8, micro_batch=4, warmup=4,
-            eval_every=10, ckpt_every=20)
+            eval_every=10, ckpt_every=20, evo_generations=8, evo_offspring=16, evo_stages="128:2,4096:1")
 PAPER = dict(keep=None, seq_len=4096, n_calib=40, tokens=None, batch_size=128, micro_batch=1,
-             warmup=None, eval_every=None, ckpt_every=None)
+             warmup=None, eval_every=None, ckpt_every=None, evo_generations=None, evo_offspring=32,
+             evo_stages="2048:2,32768:1")  # the evolutionary baseline: EvoPress's own settings
 PAPER_STEPS = 1200  # T when neither --steps nor --tokens is given
 # The paper's 60 warm-up steps, eval every 100 and checkpoint every 200 of T = 1200, as fractions of T,
 # so a shorter or longer budget keeps the same shape (a 58-step run must leave its warm-up).
@@ -84,13 +85,23 @@ def parse_args(argv=None):
     g.add_argument("--protect-first", type=int, default=1, help="first layers never pruned (1)")
     g.add_argument("--protect-last", type=int, default=1, help="last layers never pruned (1)")
     g = p.add_argument_group("stage 2: layer search (Sec. 3.2, Alg. 1-2)")
-    g.add_argument("--search", choices=["gumbel", "none", "l0"], default="gumbel",
-                   help="gumbel: E3's Gumbel-TopK (paper); none: keep the top-k of S_0; l0: "
-                        "Sheared-LLaMA's hard-concrete masks, a baseline (gumbel)")
+    g.add_argument("--search", choices=["gumbel", "none", "l0", "evo", "random"], default="gumbel",
+                   help="gumbel: E3's Gumbel-TopK (paper); none: keep the top-k of S_0; baselines "
+                        "(baselines.py): l0 = Sheared-LLaMA's hard-concrete masks, evo = EvoPress's "
+                        "evolutionary search from the top-k of S_0, random = the best of random sets "
+                        "at evo's forward-token budget (gumbel)")
     g.add_argument("--search-frac", type=float, default=0.1, help="T_M / T (0.1, paper)")
     g.add_argument("--beta", type=float, default=0.9, help="tau anneals from 1 to 1 - beta (0.9, paper)")
     g.add_argument("--score-lr", type=float, default=0.05,
                    help="Adam lr of the scores S (0.05; the paper gives none)")
+    g.add_argument("--evo-generations", type=int,
+                   help="evo: generations (demo 8 / --model: r (L - r) / 1.5, r layers removed)")
+    g.add_argument("--evo-offspring", type=int, help="evo: children a generation (demo 16 / 32)")
+    g.add_argument("--evo-stages", help="evo: successive-halving stages TOKENS:SURVIVORS,... ending in one "
+                                        "survivor (demo 128:2,4096:1 / 2048:2,32768:1)")
+    g.add_argument("--random-candidates", type=int,
+                   help="random: sets drawn, each scored on evo's last-stage tokens (default: as many "
+                        "as evo's forward-token budget pays for)")
     g = p.add_argument_group("training (Sec. 3.3, Appendix E)")
     g.add_argument("--loss", choices=["akd", "kd", "sft"], default="akd",
                    help="akd: entropy-weighted top-K KD, eq. 13 (paper); kd: eq. 12; sft: next-token CE")
@@ -371,6 +382,31 @@ class GumbelTopKSearch:
         self.gen.set_state(state["gen"])
 
 
+def layer_set_search(args, model, cache, S0, L, protected, run):
+    """--search evo | random (baselines.py): a k-layer set chosen before training, by the top-K KL to
+    the cached teacher of the model running only that set; returns its indicator as the scores, so the
+    cut (prune_to_top_k) keeps it. Every rank draws the same candidates (same seed)."""
+    if cache is None:
+        raise E3Error(f"--search {args.search} scores layer sets against the teacher cache; give --cache "
+                      f"or train (--steps > 0)")
+    score = baselines.cache_score(model, cache, args.micro_batch)
+    gen = torch.Generator().manual_seed(args.seed)
+    stages = baselines.parse_stages(args.evo_stages)
+    r = L - args.keep  # EvoPress's generations for depth pruning: r (L - r) / 1.5
+    generations = args.evo_generations or max(1, round(r * (L - r) / 1.5))
+    log = lambda entry: run.log(event="layer_search", method=args.search, **entry)  # noqa: E731
+    if args.search == "evo":
+        found = baselines.evo_search(score, L, args.keep, protected, gen, generations, args.evo_offspring,
+                                     stages, init=top_k_layers(S0, args.keep, protected), log=log)
+    else:  # the control: as many random sets as evo's forward tokens pay for, on its last stage
+        budget = baselines.evo_budget(generations, args.evo_offspring, stages)
+        n = args.random_candidates or max(1, budget // stages[-1][0])
+        found = baselines.random_search(score, L, args.keep, protected, gen, n, stages[-1][0], log=log)
+    print0(f"{args.search} search: kept {found['kept']}, fitness {found['fitness']:.4f}, "
+           f"{found['forward_tokens']:,} forward tokens")
+    return torch.zeros(L).index_fill_(0, torch.tensor(found["kept"]), 1.0), found["forward_tokens"]
+
+
 def make_search(scores, args, L, T_M, protected, device):
     if args.search == "l0":
         return baselines.HardConcreteSearch(scores, args, L, T_M, protected, device)
@@ -474,8 +510,10 @@ def print_plan(args):
 
 
 def search_steps(args):
-    """T_M = round(search_frac x T) (at least 1) when there is a search, else 0."""
-    return max(1, round(args.search_frac * args.steps)) if args.search != "none" and args.steps else 0
+    """T_M = round(search_frac x T) (at least 1) when the search runs in the training loop (gumbel,
+    l0), else 0 (none; evo and random choose their set before training)."""
+    in_loop = args.search in ("gumbel", "l0")
+    return max(1, round(args.search_frac * args.steps)) if in_loop and args.steps else 0
 
 
 def export(model, args, tok, kept, L, info, rank):
@@ -541,14 +579,17 @@ def main(argv=None):
         run.truncate_log(step)
         torch.set_rng_state(resumed["torch_rng"])
         print0(f"resumed from {resumed['path']} at step {step} ({'search' if kept is None else 'finetune'})")
+    summary = {}
     search = make_search(S0, args, L, T_M, protected, device)
     if resumed is not None:
         search.load_state_dict(resumed["search"])
+    elif args.search in ("evo", "random"):  # a baseline's layer set, chosen before any training
+        chosen, summary["search_forward_tokens"] = layer_set_search(args, model, cache, S0, L, protected, run)
+        search.S.data.copy_(chosen)
     # phase "search" = steps t <= T_M, all L layers running through their gates; "finetune" = after
     # the cut, only the k kept layers exist. T_M = 0 (--search none, --layers, --steps 0): no search.
     phase = "search" if kept is None and step < T_M else "finetune"
     gates = LayerGates(model) if phase == "search" else None
-    summary = {}
 
     def val(when, t):
         kd, ce = validate(model, cache, args, rank, world, device, compute)
@@ -633,6 +674,7 @@ def main(argv=None):
     # =============================== STAGE 3: EXPORT ===============================
     info = {"source_model": args.model, "method": f"init={args.init} search={args.search} loss={args.loss}",
             "flags": run_identity(args), "tokens_trained": T * tokens_per_step,
+            "search_forward_tokens": summary.get("search_forward_tokens", 0),
             "initial_scores": S0.tolist(), "final_scores": search.S.detach().cpu().tolist()}
     export(model, args, tok, kept, L, info, rank)
     summary = {"kept_layers": kept, "layers": f"{L} -> {len(kept)}", "tokens_trained": T * tokens_per_step,

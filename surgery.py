@@ -348,7 +348,7 @@ _PER_LAYER = ("layer_types", "no_rope_layers")
 _INDEX_NAMES = ("layer_idx", "layer_id", "layer_index", "layer_number")  # renumbered, not a layout
 
 
-def _layer_configs(config, L):
+def layer_configs(config, L):
     """The config objects that describe these L decoder layers: the model's, or a multimodal
     wrapper's text_config (Gemma3), or both."""
     found = [config] + [v for v in vars(config).values() if hasattr(v, "num_hidden_layers")]
@@ -434,7 +434,7 @@ def pruned_config(config, keep):
     (_layer_signature). A kept layout that the config cannot express ends with one E3Error line."""
     L = config.get_text_config().num_hidden_layers
     new = copy.deepcopy(config)
-    for cfg in _layer_configs(new, L):
+    for cfg in layer_configs(new, L):
         _rewrite_layer_settings(cfg, keep, L)
     before, after = _meta_layers(config), _meta_layers(new)
     for j, i in enumerate(keep):
@@ -478,7 +478,7 @@ def remove_layers(model, keep):
             if isinstance(getattr(m, "layer_idx", None), int):
                 m.layer_idx = new_idx
     # in place: the layers' modules hold references to these config objects
-    for cfg in _layer_configs(model.config, L):
+    for cfg in layer_configs(model.config, L):
         _rewrite_layer_settings(cfg, keep, L)
     return model
 
