@@ -27,16 +27,22 @@ def is_sharded(model):
 
 
 def parallelize(model, device):
-    """FSDP2: each decoder layer its own unit, then the root (embeddings, final norm, LM head; tied
-    embeddings stay together). bf16 compute with fp32 master weights and fp32 gradient reduction on
-    GPU; plain fp32 on CPU (gloo)."""
+    """FSDP2 (torchtitan's layout): each decoder layer its own unit, the input embedding and the LM head
+    their own (one unit when tied: a shared weight must live in one), then the root (the final norm and
+    what is left). bf16 compute with fp32 master weights and fp32 gradient reduction on GPU; fp32 on CPU.
+    Small units bound what any rank holds whole at once: a layer while it computes, the embedding only
+    around its lookup, the head only around the logits (at V = 152K the head alone is 2.5 GB in fp32)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     # Per-layer units let FSDP all-gather one layer while the previous one computes, and let the pruned
-    # layers' units simply disappear from the module tree after the search (remove_layers).
+    # layers' units simply disappear from the module tree after the search (drop_removed_layers).
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" else MixedPrecisionPolicy()
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=mp)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embed.weight
+    for unit in ([[embed, head]] if tied else [embed] + ([head] if head is not None else [])):
+        fully_shard(unit, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
 

@@ -42,8 +42,9 @@ torch.distributed.destroy_process_group()
 
 
 def test_the_cut_frees_the_removed_layers_fsdp_units(make_tiny, tmp_path):
-    """After prune_to_top_k under FSDP2 the root holds k + 1 units (the kept layers and itself), and a
-    removed layer is garbage: before parallel.drop_removed_layers it held L + 1, the removed layers alive."""
+    """After prune_to_top_k under FSDP2 the root lists k + 2 units (the kept layers, the tied embedding
+    and LM head, itself), and a removed layer is garbage: before parallel.drop_removed_layers it listed
+    L + 2, the removed layers alive."""
     script = tmp_path / "cut.py"
     script.write_text(AFTER_THE_CUT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -52,7 +53,7 @@ def test_the_cut_frees_the_removed_layers_fsdp_units(make_tiny, tmp_path):
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in (0, 1):
-        assert f"rank {r}: kept [0, 1, 4, 5] units 5 removed_alive False" in proc.stdout, proc.stdout
+        assert f"rank {r}: kept [0, 1, 4, 5] units 6 removed_alive False" in proc.stdout, proc.stdout
 
 
 def test_two_nodes_on_one_host_match_one_process(single_run, make_tiny, corpus, tmp_path):  # noqa: F811
