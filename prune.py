@@ -595,7 +595,7 @@ def export(model, args, tok, kept, L, info, rank):
 def main(argv=None):
     args = parse_args(argv)
     args.model = common.resolve_model(args.model)
-    if args.plan:
+    if args.plan:  # --plan RANKS: config.json only, no weights, no process group
         return print_plan(args)
 
     # ================================ SETUP ================================
@@ -605,53 +605,65 @@ def main(argv=None):
         raise E3Error(f"--batch-size {args.batch_size} must be a multiple of ranks x --micro-batch "
                       f"({world} x {args.micro_batch})")
     args.out = args.out or f"runs/{Path(args.model).name}-keep{args.keep}"
-    # the shape of the model from its config alone (meta device): every input is checked before any work
+    # the shape of the model from its config alone (meta device): every input is checked before
+    # any work
     shape, tok = common.load_model(args.model, weights=False)
     L = len(decoder_layers(shape))
     protected = protected_layers(L, args.protect_first, args.protect_last)
     check_keep(args, L, protected)
-    check_removable(shape.config, args.layers)  # a MoE layout the pruned config cannot express: stop now
+    # a MoE layout the pruned config cannot express: stop now, not at the export
+    check_removable(shape.config, args.layers)
     cache = TeacherCache(args.cache, tok, seq_len=args.seq_len) if args.cache else None
     if cache:  # a given cache fixes seq-len and K (when given too, they must match)
         args.seq_len, args.topk = cache.seq_len, cache.topk
     resolve_schedule(args)
     T, T_M = args.steps, search_steps(args)
     run = Run(args.out, run_identity(args), rank, args.resume)
-    cache = cache or build_teacher_cache(args, tok)  # teacher loaded, used and freed: no student yet
+    # the teacher is loaded, used and freed here: it and the student never share the memory
+    cache = cache or build_teacher_cache(args, tok)
     if args.steps == 0:  # no cache to read the corpus: check --data now, before anything is written
         next(calibration_batches(args, tok, None, rank, world))
     run.create()
     resumed = run.latest()  # None, or the small state of the newest checkpoint
+    # a resume after the cut builds the k-layer model, the shape its checkpoint was saved in
     model, _ = build_student(args, device, rank, world, kept=resumed and resumed["kept"])
     opt = make_optimizer(model, args)
     compute = parallel.compute_context(model, device)  # bf16 autocast on one GPU; FSDP has its own
+    # the cache's vocabulary: the student's logits are sliced to it (kd_loss)
     vocab = cache.vocab_size if cache else common.vocab_size(tok)
+    train_tokens = cache and cache.len_split("train") * args.seq_len
     print0(plan_line(args, world, L, memory_plan(model, args, world),
-                     cache and cache_bytes(cache), cache and cache.len_split("train") * args.seq_len))
+                     cache and cache_bytes(cache), train_tokens))
 
     # ====================== STAGE 1: IMPORTANCE (Sec. 3.2) ======================
     if resumed is None:
-        run.truncate_log(-1)  # a --resume that found no complete checkpoint starts over: so does the log
-        S0 = init_scores(args, model, tok, cache, L, rank, world)
+        # a --resume that found no complete checkpoint starts over: so does the log
+        run.truncate_log(-1)
+        S0 = init_scores(args, model, tok, cache, L, rank, world)  # S_0: Alg. 1's input S
         run.log(event="importance", method=args.init, scores=S0.tolist(), step=0)
         print0(f"importance ({args.init}): " + " ".join(f"{s:.3g}" for s in S0.tolist()))
         step, kept = 0, None
     else:
         S0, step, kept = resumed["init_scores"], resumed["step"], resumed["kept"]
         run.load_into(resumed["path"], model, opt)
-        run.truncate_log(step)
+        run.truncate_log(step)  # the events after the checkpoint are about to be redone
         torch.set_rng_state(resumed["torch_rng"])
-        print0(f"resumed from {resumed['path']} at step {step} ({'search' if kept is None else 'finetune'})")
+        resumed_in = "search" if kept is None else "finetune"
+        print0(f"resumed from {resumed['path']} at step {step} ({resumed_in})")
     summary = {}
     search = make_search(S0, args, L, T_M, protected, device)
     if resumed is not None:
         search.load_state_dict(resumed["search"])
     elif args.search in ("evo", "random"):  # a baseline's layer set, chosen before any training
-        chosen, summary["search_forward_tokens"] = layer_set_search(args, model, cache, S0, L, protected, run)
-        search.S.data.copy_(chosen)
-    # phase "search" = steps t <= T_M, all L layers running through their gates; "finetune" = after
-    # the cut, only the k kept layers exist. T_M = 0 (--search none, --layers, --steps 0): no search.
+        chosen, forward_tokens = layer_set_search(args, model, cache, S0, L, protected, run)
+        summary["search_forward_tokens"] = forward_tokens
+        search.S.data.copy_(chosen)  # its indicator: the cut below keeps exactly that set
+    # phase "search" = Alg. 1 l.3's t <= T_M: all L layers run through their gates; "finetune" =
+    # after the cut, only the k kept layers exist. `step` counts the steps done, so the next step
+    # t = step + 1 is a search step iff step < T_M. T_M = 0 (--search none|evo|random, --layers,
+    # --steps 0): no search. A resume after the cut (`kept` known) fine-tunes whatever its step.
     phase = "search" if kept is None and step < T_M else "finetune"
+    # the gates exist only in the search: after the cut the model is physically k layers
     gates = LayerGates(model) if phase == "search" else None
 
     def val(when, t):
@@ -660,7 +672,7 @@ def main(argv=None):
         print0(f"val {when}: kd {kd:.4f} ce {ce:.4f}")
         return {"kd": round(kd, 4), "ce": round(ce, 4)}
 
-    if cache is not None and resumed is None:
+    if cache is not None and resumed is None:  # the reference: the full model before any step
         summary["val_dense"] = val("dense", 0)
     if kept is None and phase == "finetune":  # no search: the top-k of S_0, now
         kept, opt = prune_to_top_k(model, opt, search.S, args, protected)
@@ -669,36 +681,42 @@ def main(argv=None):
 
     # ================= STAGE 2: SEARCH, THEN FINE-TUNE (Alg. 1) =================
     # ------------------------- TRAINING SECTION BEGIN -------------------------
+    # each rank runs n_micro micro-batches a step: batch_size = world x n_micro x micro_batch
     n_micro = args.batch_size // (world * args.micro_batch)
     tokens_per_step = args.batch_size * args.seq_len
     while step < T:  # Alg. 1 l.1: for t = 1..T (the paper counts from 1)
-        t, t_step = step + 1, time.time()
+        t, t_step = step + 1, time.time()  # `step` = steps done; t = the step being taken
+        # the lr is a pure function of the step (no scheduler object), so a resume needs no state
         lr = lr_schedule(step, args)
-        for group in opt.param_groups:
+        for group in opt.param_groups:  # the weights only: S keeps its constant --score-lr
             group["lr"] = lr
-        if phase == "search":  # t <= T_M (Alg. 1 l.3)
+        if phase == "search":  # Alg. 1 l.3: t <= T_M
             search.begin_step(t)  # Alg. 1 l.2: tau_t, k'_t; and this step's Gumbel draw
+        # this rank's slice of the global batch: the same sequences on any number of ranks
         idx = rank_indices(step, args, cache.len_split("train"), rank, world)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # for the log only
         for m in range(n_micro):
             # gradient accumulation: reduce-scatter over ranks only after the last micro-batch
             parallel.set_grad_sync(model, m == n_micro - 1)
             if phase == "search":
-                # Alg. 1 l.4: M = Gumbel-TopK(S, tau, k'). The same draw for every micro-batch, but the
-                # mask is rebuilt for each: every backward frees the graph from S to M~
+                # Alg. 1 l.4: M = Gumbel-TopK(S, tau, k'). The same draw for every micro-batch,
+                # but the mask is rebuilt for each: every backward frees the graph from S to M~
                 gates.mask = search.sample_mask()
-            batch = to_device(cache.get(idx[m * args.micro_batch:(m + 1) * args.micro_batch]), device)
-            # the objective is a MEAN over the global batch: each micro-batch's mean, / n_micro, summed
-            # over micro-batches here and averaged over ranks by FSDP's reduce-scatter
+            rows = idx[m * args.micro_batch:(m + 1) * args.micro_batch]
+            batch = to_device(cache.get(rows), device)
+            # the objective is a MEAN over the global batch: each micro-batch's mean, / n_micro,
+            # summed over micro-batches here and averaged over ranks by FSDP's reduce-scatter
             loss = kd_loss(model, batch, args.loss, vocab, compute) / n_micro
             loss.backward()  # one backward gives dL/dTheta AND dL/dS (through the gates)
             loss_sum += loss.detach()
+        # every rank gets the same number, so every rank logs it and, below, raises together
         loss_avg = parallel.mean_over_ranks(loss_sum).item()
-        if not math.isfinite(loss_avg):
-            raise E3Error(f"loss is {loss_avg} at step {t}; the last checkpoint in {run.ckpt_dir} is "
-                          f"intact: lower --lr or check the data, then --resume")
-        grad_norm = parallel.clip_grad_norm([p for p in model.parameters() if p.requires_grad],
-                                            args.grad_clip)
+        if not math.isfinite(loss_avg):  # stop before opt.step() writes NaN into the weights
+            raise E3Error(f"loss is {loss_avg} at step {t}; the last checkpoint in "
+                          f"{run.ckpt_dir} is intact: lower --lr or check the data, then --resume")
+        # the weights' gradients only (the adapters' under LoRA); S is no parameter of the model
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        grad_norm = parallel.clip_grad_norm(trainable, args.grad_clip)
         # Alg. 1 l.6: Theta <- Theta - lr dL/dTheta. The paper updates S (l.5) first; the order is
         # immaterial: both gradients came from the same backward, at the same (Theta, S)
         opt.step()
@@ -706,42 +724,59 @@ def main(argv=None):
         if phase == "search":
             mask = gates.mask.detach().cpu().tolist()  # the layers this step ran (logged)
             search.step()  # Alg. 1 l.5: S <- S - lr_S dL/dS
+            # S after its update; over the search, the log shows the scores settle
             run.log(event="search", step=t, scores=search.S.detach().cpu().tolist(), mask=mask,
                     **search.log_fields())
-        step, dt = t, time.time() - t_step
-        run.log(event="train", step=t, phase=phase, loss=loss_avg, lr=lr, tokens=t * tokens_per_step,
-                tok_per_s=tokens_per_step / dt, grad_norm=grad_norm)
-        where = "".join(f" | {k} {v:.3g}" for k, v in search.log_fields().items()) if phase == "search" else ""
+        step, dt = t, time.time() - t_step  # step t is done: a checkpoint below resumes after it
+        run.log(event="train", step=t, phase=phase, loss=loss_avg, lr=lr,
+                tokens=t * tokens_per_step, tok_per_s=tokens_per_step / dt, grad_norm=grad_norm)
+        where = ""
+        if phase == "search":  # the printed line shows this step's tau_t and k'_t
+            where = "".join(f" | {k} {v:.3g}" for k, v in search.log_fields().items())
         print0(f"step {t}/{T} | {phase} | loss {loss_avg:.4f} | lr {lr:.2e}{where} | "
                f"{tokens_per_step / dt:.0f} tok/s | {time.time() - t0:.1f}s")
         if phase == "search" and t == T_M:  # the end of the search: the cut
-            gates.remove()
+            gates.remove()  # no hooks from here on: the model is plainly the k kept layers
+            # Alg. 1's return, taken at T_M: the top-k of S; the removed layers leave the model
+            # and the optimizer, the kept layers' Adam moments carry over (prune_to_top_k)
             kept, opt = prune_to_top_k(model, opt, search.S, args, protected)
-            phase = "finetune"
+            phase = "finetune"  # t = T_M + 1..T: the k-layer model alone
             run.log(event="pruned", step=t, kept=kept)
             print0(f"pruned to {len(kept)} layers: kept {kept}")
-            summary["val_at_pruning"] = val("at pruning", t)
+            summary["val_at_pruning"] = val("at pruning", t)  # before any fine-tuning step
         if t % args.eval_every == 0 or t == T:
-            if phase == "search":  # never a sampled mask: the layers the search would keep now
+            # never a sampled mask: a draw would make the yardstick noisy and is not the model
+            # the search returns; the top-k of S is the set the cut would keep now (the next
+            # step's sample_mask() replaces it)
+            if phase == "search":
                 gates.mask = keep_mask(search.S, args.keep, protected)
-            summary["val_final"] = val(f"step {t}", t)
-        if t % args.ckpt_every == 0 and t < T:
+            summary["val_final"] = val(f"step {t}", t)  # the last one, at t = T, stays
+        if t % args.ckpt_every == 0 and t < T:  # none at T: the export follows at once
+            # the small state beside the DCP shards: where the loop stands, S and its Adam, the
+            # Gumbel generator and torch's RNG, so the resumed run draws what this one would
             run.save(t, model, opt, {"phase": phase, "kept": kept, "init_scores": S0,
-                                     "search": search.state_dict(), "torch_rng": torch.get_rng_state()})
+                                     "search": search.state_dict(),
+                                     "torch_rng": torch.get_rng_state()})
     # -------------------------- TRAINING SECTION END --------------------------
 
-    if kept is None:  # a search that ends at T (T_M == T) was cut above; --steps 0 with a search
+    # T_M = 0 was cut before the loop and T_M <= T inside it: only a search longer than the run
+    # (--search-frac > 1) reaches here uncut, and ends as Alg. 1 does, with the top-k of S
+    if kept is None:
         kept, opt = prune_to_top_k(model, opt, search.S, args, protected)
         run.log(event="pruned", step=step, kept=kept)
 
     # =============================== STAGE 3: EXPORT ===============================
-    info = {"source_model": args.model, "method": f"init={args.init} search={args.search} loss={args.loss}",
+    # pruning.json: how the model was made, enough to redo it (the flags) or compare it (tokens)
+    method = f"init={args.init} search={args.search} loss={args.loss}"
+    info = {"source_model": args.model, "method": method,
             "flags": run_identity(args), "tokens_trained": T * tokens_per_step,
             "search_forward_tokens": summary.get("search_forward_tokens", 0),
             "initial_scores": S0.tolist(), "final_scores": search.S.detach().cpu().tolist()}
     export(model, args, tok, kept, L, info, rank)
-    summary = {"kept_layers": kept, "layers": f"{L} -> {len(kept)}", "tokens_trained": T * tokens_per_step,
-               **summary, "minutes": round((time.time() - t0) / 60, 2), "model": str(Path(args.out) / "model")}
+    summary = {"kept_layers": kept, "layers": f"{L} -> {len(kept)}",
+               "tokens_trained": T * tokens_per_step, **summary,
+               "minutes": round((time.time() - t0) / 60, 2),
+               "model": str(Path(args.out) / "model")}
     run.log(event="done", step=T, **summary)
     print0("done: " + json.dumps(summary))
     return model
