@@ -724,7 +724,7 @@ def main(argv=None):
         if phase == "search":
             mask = gates.mask.detach().cpu().tolist()  # the layers this step ran (logged)
             search.step()  # Alg. 1 l.5: S <- S - lr_S dL/dS
-            # S after its update; over the search, the log shows the scores settle
+            # S as this step left it, beside the mask M whose gradient moved it
             run.log(event="search", step=t, scores=search.S.detach().cpu().tolist(), mask=mask,
                     **search.log_fields())
         step, dt = t, time.time() - t_step  # step t is done: a checkpoint below resumes after it
