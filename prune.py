@@ -338,7 +338,7 @@ def validate(model, cache, args, rank, world, device, compute):
                                dtype=torch.float64, device=device)
     common.all_reduce_sum(totals)
     parallel.reshard(model)  # free the gathered root unit now, not at the next backward
-    model.train()  # called from inside the training loop: hand the model back in training mode
+    model.train()  # validation runs between training steps: hand the model back to training
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 
 
@@ -404,7 +404,7 @@ class GumbelTopKSearch:
         are 1 and count towards k'_t). Value: exactly 0/1; gradient: dM~/dS (straight-through,
         eq. 7)."""
         free = free_layers(self.L, self.protected)
-        k_free = self.k_t - len(self.protected)  # the protected layers already fill that many
+        k_free = self.k_t - len(self.protected)  # k'_t counts the always-on protected layers
         sub = gumbel_topk(self.S[free], k_free, self.tau, noise=self.noise[free])
         index = (torch.tensor(free, device=self.S.device),)
         # protected entries are a constant 1: their scores get no gradient and never move
@@ -525,7 +525,7 @@ def memory_plan(model, args, world):
 
     total, trainable = count(model.parameters(), False), count(model.parameters(), True)
     cut = len(layers) - args.keep  # layers still to be removed
-    # each removed layer counted at the size of the last one (the decoder layers are alike)
+    # each removed layer counted at the size of the last one (an estimate where layers differ)
     layer_total = count(layers[-1].parameters(), False)
     layer_trainable = count(layers[-1].parameters(), True)
     state = lambda n_all, n_train: (4 * (n_all - n_train) + 16 * n_train) / world / 1e9
@@ -611,7 +611,7 @@ def main(argv=None):
     L = len(decoder_layers(shape))
     protected = protected_layers(L, args.protect_first, args.protect_last)
     check_keep(args, L, protected)
-    # a MoE layout the pruned config cannot express: stop now, not at the export
+    # a MoE layout the pruned config cannot express: stop now, not at the cut hours later
     check_removable(shape.config, args.layers)
     cache = TeacherCache(args.cache, tok, seq_len=args.seq_len) if args.cache else None
     if cache:  # a given cache fixes seq-len and K (when given too, they must match)
