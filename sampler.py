@@ -2,15 +2,16 @@
 The Gumbel-TopK sampler with a straight-through estimator (paper Sec. 3.2, eq. 6-7, Algorithm 2),
 and the two schedules of the search phase (temperature tau_t and kept-layer count k'_t).
 
-    S_1 = S + g,  g ~ Gumbel(0, 1)                       (Alg. 2 line 1)
+    S_1 = S + g,  g ~ Gumbel(0, 1)                 (Alg. 2 line 1)
     for i = 1..k':  p_i = softmax(S_i / tau)
-                    M~ += p_i                            (eq. 6, left)
-                    S_{i+1} = S_i + log(1 - p_i)         (eq. 6, right: "remove" what was just picked)
-    H = TopK(S + g, k')                                  hard 0/1 mask: the k' largest perturbed scores
-    M = H + (M~ - stopgrad(M~))                          straight-through: value H, gradient dM~/dS
+                    M~ += p_i                      (eq. 6, left)
+                    S_{i+1} = S_i + log(1 - p_i)   (eq. 6, right: "remove" what was just picked)
+    H = TopK(S + g, k')                            hard 0/1 mask: the k' largest perturbed scores
+    M = H + (M~ - stopgrad(M~))                    straight-through: value H, gradient dM~/dS
 
 Which layers H keeps is distributed as drawing k' layers without replacement with probabilities
-proportional to exp(S) (Plackett-Luce, the Gumbel-top-k trick) at every tau; tau only shapes the gradient.
+proportional to exp(S) (Plackett-Luce, the Gumbel-top-k trick) at every tau; tau only shapes the
+gradient.
 (The paper writes H = TopK(M~). The two agree while M~ keeps the order of S + g, but at small tau M~
 underflows to exact 0 for several layers and its top-k then breaks the tie arbitrarily: in ~2.6% of
 draws at L = 6, k' = 3, tau = 0.1. The top-k of S + g is the exact sample at no cost.)
@@ -72,7 +73,8 @@ def k_schedule(t, search_steps, L, k):
 # restricted to whole layers as the paper's comparison does. Unlike Gumbel-TopK the mask is soft in
 # the forward pass and the kept count is only steered, in expectation, by a Lagrangian.
 
-HC_BETA, HC_GAMMA, HC_ZETA = 2 / 3, -0.1, 1.1  # temperature and stretch interval of the hard concrete
+# temperature and stretch interval (gamma, zeta) of the hard concrete (Louizos et al.'s values)
+HC_BETA, HC_GAMMA, HC_ZETA = 2 / 3, -0.1, 1.1
 
 
 def hard_concrete(log_alpha, u):

@@ -1,10 +1,12 @@
 """
-Peak host memory of every phase of prune.py, per rank, at 1, 2 and 4 gloo ranks: the evidence that the
-headline run fits its machines. Each phase's peak is measured on its own (Linux: the resident peak
-VmHWM is reset through /proc/self/clear_refs when the phase starts and read when it ends):
+Peak host memory of every phase of prune.py, per rank, at 1, 2 and 4 gloo ranks: the evidence
+that the headline run fits its machines. Each phase's peak is measured on its own (Linux: the
+resident peak VmHWM is reset through /proc/self/clear_refs when the phase starts and read when it
+ends):
 
-  import       python + torch + transformers + the project, before any work (the floor of every rank)
-  cache        building the teacher cache (the teacher forward, data-parallel; freed before the student)
+  import       python + torch + transformers + the project, before any work (every rank's floor)
+  cache        building the teacher cache (the teacher forward, data-parallel; freed before the
+               student)
   student      building and sharding the student (rank 0 reads the weights, the others get shards)
   importance   the KL layer scores on the calibration sequences
   search step  one optimizer step of the search (all L layers through their gates, AdamW on all)
@@ -27,7 +29,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ["import", "cache", "student", "importance", "search step", "finetune", "save", "resume", "export"]
+PHASES = ["import", "cache", "student", "importance", "search step", "finetune", "save", "resume",
+          "export"]
 
 
 def reset_peak():
@@ -46,7 +49,8 @@ def peak_mb():
 
 
 def rank_main(argv):
-    """Inside each torchrun rank: prune.main with every phase wrapped, peaks appended to a JSON file."""
+    """Inside each torchrun rank: prune.main with every phase wrapped, peaks appended to a JSON
+    file."""
     sys.path.insert(0, str(ROOT))
     import torch  # noqa: F401 (the import floor)
     import transformers  # noqa: F401
@@ -98,31 +102,41 @@ def rank_main(argv):
 
 
 def random_llama(path):
-    """A random ~108M-parameter Llama (10 layers, 768 wide, SmolLM2's 49K vocabulary, tied embeddings)."""
+    """A random ~108M-parameter Llama (10 layers, 768 wide, SmolLM2's 49K vocabulary, tied
+    embeddings)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     sys.path.insert(0, str(ROOT))
     import common
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=768, intermediate_size=2048, num_hidden_layers=10,
-                      num_attention_heads=12, num_key_value_heads=12, tie_word_embeddings=True)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=768, intermediate_size=2048,
+                      num_hidden_layers=10, num_attention_heads=12, num_key_value_heads=12,
+                      tie_word_embeddings=True)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(path)
     AutoTokenizer.from_pretrained(common.default_model()).save_pretrained(path)
 
 
 def measure(model, nproc, tmp):
-    """Peaks (MB) of each phase, the max over ranks: a fresh run, then --resume of its last checkpoint."""
+    """Peaks (MB) of each phase, the max over ranks: a fresh run, then --resume of its last
+    checkpoint."""
     report = Path(tmp) / f"report-{nproc}"
     report.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "E3_MEMORY_REPORT": str(report),
            "E3_TEACHER_CACHE": str(Path(tmp) / f"teacher-{nproc}")}
     layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--master_port", str(29800 + (os.getpid() + 10 * nproc) % 500)] if nproc > 1 else [sys.executable]
+    launcher = [sys.executable]
+    if nproc > 1:
+        # a port per process and rank count, so that measurements side by side rarely collide
+        port = 29800 + (os.getpid() + 10 * nproc) % 500
+        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                     "--master_port", str(port)]
+    # 4 steps, half of them search: a checkpoint at step 3 (after the cut at T_M = 2) to resume from
     argv = ["--model", model, "--keep", str(layers // 2), "--steps", "4", "--search-frac", "0.5",
-            "--seq-len", "128", "--batch-size", "4", "--micro-batch", "1", "--n-calib", "4", "--warmup", "1",
-            "--eval-every", "100", "--ckpt-every", "3", "--out", str(Path(tmp) / f"run-{nproc}")]
-    for extra in ([], ["--resume"]):  # the resume redoes step 4 from the step-3 checkpoint, re-exports
+            "--seq-len", "128", "--batch-size", "4", "--micro-batch", "1", "--n-calib", "4",
+            "--warmup", "1", "--eval-every", "100", "--ckpt-every", "3",
+            "--out", str(Path(tmp) / f"run-{nproc}")]
+    # the resume redoes step 4 from the step-3 checkpoint and re-exports
+    for extra in ([], ["--resume"]):
         proc = subprocess.run(launcher + [__file__, "--rank-main", *argv, *extra], env=env,
                               capture_output=True, text=True)
         if proc.returncode:
@@ -131,13 +145,14 @@ def measure(model, nproc, tmp):
     for f in sorted(report.glob("rank*.jsonl")):
         for e in map(json.loads, f.read_text().splitlines()):
             peaks[e["phase"]] = max(peaks.get(e["phase"], 0), e["peak_mb"])
-            print(f"  {nproc} rank(s), {f.stem}: {e['phase']:<12} resident at start {e['start_mb']:>6} MB,"
-                  f" peak {e['peak_mb']:>6} MB", flush=True)
+            print(f"  {nproc} rank(s), {f.stem}: {e['phase']:<12} resident at start "
+                  f"{e['start_mb']:>6} MB, peak {e['peak_mb']:>6} MB", flush=True)
     return peaks
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint folder (default: a random ~108M Llama)")
     p.add_argument("--nproc", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--json", help="also write the table here")
@@ -152,13 +167,17 @@ def main():
         for f in Path(model).glob("*.safetensors"):
             with safe_open(f, "pt") as st:
                 params += sum(_numel(st.get_slice(k).get_shape()) for k in st.keys())
-        print(f"model: {model}, {params / 1e6:.1f}M parameters ({4 * params / 2**20:.0f} MB fp32)", flush=True)
+        print(f"model: {model}, {params / 1e6:.1f}M parameters "
+              f"({4 * params / 2**20:.0f} MB fp32)", flush=True)
         table = {n: measure(model, n, tmp) for n in a.nproc}
-    print(f"{'phase':<12}" + "".join(f"{f'{n} rank(s)':>12}" for n in a.nproc) + "   (peak MB per rank)")
+    header = "".join(f"{f'{n} rank(s)':>12}" for n in a.nproc)
+    print(f"{'phase':<12}" + header + "   (peak MB per rank)")
     for phase in PHASES:
-        print(f"{phase:<12}" + "".join(f"{table[n].get(phase, float('nan')):>12.0f}" for n in a.nproc))
-    print(f"{'goal':<12}" + "".join(f"{table[n]['import'] + 16 * params / n / 2**20 + 512:>12.0f}"
-                                     for n in a.nproc) + "   (import + 16 B/param / ranks + 0.5 GB)")
+        row = "".join(f"{table[n].get(phase, float('nan')):>12.0f}" for n in a.nproc)
+        print(f"{phase:<12}" + row)
+    # a rank's floor + its 1/n of fp32 weights, grads and AdamW (16 B/param) + 512 MB of slack
+    goal = "".join(f"{table[n]['import'] + 16 * params / n / 2**20 + 512:>12.0f}" for n in a.nproc)
+    print(f"{'goal':<12}" + goal + "   (import + 16 B/param / ranks + 0.5 GB)")
     if a.json:
         Path(a.json).write_text(json.dumps({"params": params, "peaks_mb": table}, indent=1))
 
