@@ -29,12 +29,12 @@ def is_sharded(model):
 def parallelize(model, device):
     """FSDP2 (torchtitan's layout): each decoder layer its own unit, the input embedding and the LM
     head their own (one unit when tied: a shared weight must live in one), then the root (the final
-    norm and what is left). bf16 compute with fp32 master weights and fp32 gradient reduction on GPU;
+    norm and what is left). bf16 compute with fp32 master weights, fp32 gradient reduction on GPU;
     fp32 on CPU. Small units bound what a rank holds whole at once: a layer while it computes, the
     embedding around its lookup, the head around the logits (at V = 152K: 2.5 GB in fp32)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     # Per-layer units let FSDP all-gather one layer while the previous one computes, and let the
-    # pruned layers' units simply disappear from the module tree after the search (drop_removed_layers).
+    # pruned layers' units disappear from the module tree after the search (drop_removed_layers).
     mp = MixedPrecisionPolicy()  # CPU (gloo): fp32 throughout
     if device.type == "cuda":  # bf16 matmuls; gradients reduced in fp32 for the fp32 master weights
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
