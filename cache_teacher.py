@@ -9,10 +9,11 @@ entropy (nats), beside the input ids. prune.py reads them back with `TeacherCach
     python cache_teacher.py --model M --data D --out DIR [--topk 10 --seq-len 512 --max-tokens N]
     torchrun --nproc_per_node 8 cache_teacher.py --model M --data D --out DIR
 
---data is a .txt file, a folder of .txt/.md files, or a .jsonl file (--text-field). Documents are
-separated by EOS and packed into --seq-len blocks (common.token_stream, common.pack). The END of the token
-stream (--val-frac, common.split_stream) is held out as the validation split, capped at --max-val-tokens;
---max-tokens caps the training split.
+--data is a .txt/.md file, a .jsonl file (--text-field, or chat `messages`), a .parquet file, or a folder
+of them (data.py). It is tokenised once into a flat token file (data.token_file, reused by every later
+run); documents are separated by EOS and packed into --seq-len blocks. The END of the token stream
+(--val-frac, data.split) is held out as the validation split, capped at --max-val-tokens; --max-tokens
+caps the training split and lets reading stop early on a large corpus (the rule: data.py's docstring).
 
 What DIR holds:
     train-00000.safetensors, ...   shard j of a split: its sequences [j*S, (j+1)*S), S = --shard-seqs, as
@@ -44,9 +45,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from common import (DEFAULT_VAL_FRAC, E3Error, all_gather, default_corpus, init_distributed, load_model,
-                    model_fingerprint, pack, print0, rank_and_world, read_documents, resolve_model, run_main,
-                    split_stream, token_stream, tokenizer_fingerprint, vocab_size)
+from common import (E3Error, all_gather, default_corpus, init_distributed, load_model, model_fingerprint,
+                    print0, rank_and_world, resolve_model, run_main, tokenizer_fingerprint, vocab_size)
+from data import DEFAULT_VAL_FRAC, corpus_blocks
 
 FORMAT = "e3-teacher-cache/1"
 VAL_SEQS = 32  # validation sequences given targets by default: enough for a stable validation loss
@@ -65,10 +66,9 @@ def shard_name(split, j):
     return f"{split}-{j:05d}.safetensors"
 
 
-def corpus_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val_tokens):
-    """{"train": (N, T), "val": (M, T)} LongTensors: the packed training budget and the held-out end."""
-    train, val = split_stream(token_stream(tok, read_documents(data, text_field)), seq_len, val_frac)
-    blocks = {"train": pack(train, seq_len, max_tokens), "val": pack(val, seq_len, max_val_tokens)}
+def checked_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val_tokens):
+    """{"train": (N, T), "val": (M, T)} data.Blocks (read lazily): the training budget and the held-out end."""
+    blocks = corpus_blocks(tok, data, seq_len, max_tokens, val_frac, max_val_tokens, text_field)
     if len(blocks["train"]) == 0:
         raise E3Error(f"--max-tokens {max_tokens} is less than one --seq-len {seq_len} block; raise it")
     if val_frac > 0 and len(blocks["val"]) == 0:
@@ -148,12 +148,13 @@ class ShardWriter:
 
 
 def compute_shards(model, jobs, out, identity, batch_size, bar=None):
-    """Compute and save the shards `jobs` {(split, j): input_ids (n, T)}; returns the number of tokens done."""
+    """Compute and save the shards `jobs`, pairs ((split, j), input_ids (n, T)) taken one at a time (a
+    generator reads each shard's ids only when its turn comes); returns the number of tokens done."""
     vocab, topk = identity["vocab_size"], identity["topk"]
     device = next(model.parameters()).device
     writer, tokens = ShardWriter(identity), 0
     try:
-        for (split, j), seqs in jobs.items():
+        for (split, j), seqs in jobs:
             parts = []
             for batch in seqs.split(batch_size):
                 parts.append({k: v.cpu() for k, v in teacher_targets(model, batch.to(device), vocab, topk).items()})
@@ -232,27 +233,30 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
         raise
     vocab = vocab_size(tok)
     max_val_tokens = max_val_tokens or VAL_SEQS * seq_len
-    blocks = corpus_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val_tokens)
+    blocks = checked_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val_tokens)
+    # rank 0 hashes the token blocks (a slice at a time); the others take its result and read only their shards
+    hashes = all_gather({s: b.sha256() for s, b in blocks.items()} if rank == 0 else None)[0]
     identity = {
         "format": FORMAT, "model": model_fingerprint(model_name), "tokenizer": tokenizer_fingerprint(tok),
         "vocab_size": vocab, "topk": topk, "seq_len": seq_len, "shard_seqs": shard_seqs,
         "dtypes": {k: str(v).removeprefix("torch.") for k, v in storage_dtypes(vocab).items()},
         "sequences": {s: len(b) for s, b in blocks.items()},
-        "tokens_sha256": {s: hashlib.sha256(b.numpy().tobytes()).hexdigest() for s, b in blocks.items()}}
+        "tokens_sha256": hashes}
     if _complete(out, identity):
         print0(f"teacher cache '{out}' is complete; nothing to do")
         return str(out)
     out.mkdir(parents=True, exist_ok=True)
-    shards = {(s, j): blocks[s][j * shard_seqs:(j + 1) * shard_seqs]  # views: shard j of split s
+    shards = {(s, j): range(j * shard_seqs, min((j + 1) * shard_seqs, len(blocks[s])))  # shard j's rows
               for s in SPLITS for j in range(-(-len(blocks[s]) // shard_seqs))}
     mine = list(shards)[rank::world]
-    todo = [job for job in mine if not _shard_done(out / shard_name(*job), identity, shards[job])]
+    todo = [job for job in mine if not _shard_done(out / shard_name(*job), identity, blocks[job[0]][shards[job]])]
     t0, tokens = time.time(), 0
     if todo:
         model, _ = load_model(model_name, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-        total = sum(shards[job].numel() for job in todo)
+        total = sum(len(shards[job]) for job in todo) * seq_len
+        jobs = ((job, blocks[job[0]][shards[job]]) for job in todo)  # each shard read when it is computed
         with tqdm(total=total, unit="tok", unit_scale=True, desc="teacher targets", disable=rank != 0) as bar:
-            tokens = compute_shards(model.eval(), {job: shards[job] for job in todo}, out, identity, batch_size, bar)
+            tokens = compute_shards(model.eval(), jobs, out, identity, batch_size, bar)
         del model
     # every rank hashes its own shards; rank 0 writes meta.json once all are there
     report = ({shard_name(*job): (os.path.getsize(out / shard_name(*job)), _sha256(out / shard_name(*job)))
@@ -262,9 +266,9 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
     total_bytes = sum(size for size, _ in files.values())
     n_tokens = sum(identity["sequences"].values()) * seq_len
     listing = {s: [] for s in SPLITS}
-    for (s, j), seqs in shards.items():
+    for (s, j), rows in shards.items():
         size, sha = files[shard_name(s, j)]
-        listing[s].append({"file": shard_name(s, j), "sequences": len(seqs), "bytes": size, "sha256": sha})
+        listing[s].append({"file": shard_name(s, j), "sequences": len(rows), "bytes": size, "sha256": sha})
     if rank == 0:
         _write_json_atomically(out / "meta.json", {
             **identity, "data": str(data or default_corpus()), "max_tokens": max_tokens,
@@ -361,8 +365,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # teacher and data
     p.add_argument("--model", default="default", help="teacher: HF folder or hub id (default: packaged SmolLM2-135M)")
-    p.add_argument("--data", default=None, help=".txt file, folder of .txt/.md, or .jsonl (default: packaged plays)")
-    p.add_argument("--text-field", default="text", help="field holding the text in a .jsonl file")
+    p.add_argument("--data", default=None, help=".txt/.md, .jsonl or .parquet file, or a folder of them "
+                   "(default: the packaged plays)")
+    p.add_argument("--text-field", default="text", help="field (.jsonl) or column (.parquet) holding the text; "
+                   "a .jsonl line without it and with a 'messages' list is a chat")
     # what to cache
     p.add_argument("--topk", type=int, default=10, help="K teacher tokens kept per position")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per packed sequence")

@@ -36,6 +36,7 @@ import torch.nn.utils.parametrize as parametrize
 from torch import nn
 
 import common
+import data
 from cache_teacher import TeacherCache, build_cache
 from common import E3Error, print0
 from kd import sft_loss, topk_kd_loss
@@ -286,9 +287,7 @@ def calibration_batches(args, tok, cache, rank, world):
     """--n-calib sequences, this rank's share, padded with weight-0 batches so all ranks run the same
     number of forwards (FSDP collectives must match). From --data if given, else the cache."""
     if args.data or cache is None:
-        docs = common.read_documents(args.data, args.text_field)
-        train, _ = common.split_stream(common.token_stream(tok, docs), args.seq_len, common.DEFAULT_VAL_FRAC)
-        seqs = common.pack(train, args.seq_len)[: args.n_calib]
+        seqs = data.train_blocks(tok, args.data, args.seq_len, args.n_calib, args.text_field)
     else:
         seqs = cache.get(list(range(min(args.n_calib, cache.len_split("train")))))["input_ids"]
     per_rank = math.ceil(len(seqs) / world)

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import cache_teacher
 import common
+import data
 import kd
 import surgery
 from cache_teacher import TeacherCache, build_cache
@@ -26,7 +27,8 @@ V = 49152
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """Three short ASCII documents (Shakespeare) in a .jsonl file whose text field is 'body'."""
-    docs = [d[:1200].encode("ascii", "ignore").decode() for d in common.read_documents()[:3]]
+    plays = sorted(Path(common.default_corpus()).rglob("*.md"))[:3]
+    docs = [p.read_text()[:1200].encode("ascii", "ignore").decode() for p in plays]
     path = tmp_path_factory.mktemp("corpus") / "plays.jsonl"
     path.write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
     return path, docs
@@ -283,7 +285,7 @@ def test_fp16_logprobs_change_the_kd_loss_negligibly():
     student that lost 6 of its 30 layers, the kd and akd losses against fp16-rounded targets are within
     1e-3 (relative) of those against the fp32 targets."""
     model, tok = common.load_model(None)
-    ids = common.pack(common.token_stream(tok, common.read_documents()[:1]), 128)[10:12]
+    ids = data.train_blocks(tok, None, 128, 12)[10:12]
     targets = cache_teacher.teacher_targets(model, ids, common.vocab_size(tok), 10)
     surgery.remove_layers(model, [i for i in range(30) if i not in range(12, 18)])
     with torch.no_grad():
