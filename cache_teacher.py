@@ -29,8 +29,11 @@ every rank holds the model; bf16 on GPU, fp32 on CPU, logits upcast to fp32 befo
 never straddle shards, so the cache does not depend on the number of ranks. A shard is written to a
 temporary file and renamed, so a killed run leaves only complete shards: rerun the same command and it
 verifies and skips them, computes the rest, and ends with the same cache as an uninterrupted run.
+A teacher too big for one GPU (or any, with --shard-teacher) is FSDP2-sharded over the ranks instead of
+copied to each (load_teacher): only rank 0 reads its weights, every rank still runs its own batches.
 """
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -43,11 +46,13 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch.distributed.fsdp import FSDPModule
 from tqdm import tqdm
 
 from common import (E3Error, all_gather, default_corpus, init_distributed, load_model, model_fingerprint,
                     print0, rank_and_world, resolve_model, run_main, tokenizer_fingerprint, vocab_size)
 from data import DEFAULT_VAL_FRAC, corpus_blocks
+from parallel import load_from_rank0, parallelize
 
 FORMAT = "e3-teacher-cache/1"
 VAL_SEQS = 32  # validation sequences given targets by default: enough for a stable validation loss
@@ -82,12 +87,35 @@ def checked_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val
 
 @torch.no_grad()
 def teacher_targets(model, input_ids, vocab, topk):
-    """input_ids (B,T) -> topk_ids (B,T,K), topk_logprobs (B,T,K), entropy (B,T), on the model's device.
+    """input_ids (B,T) -> topk_ids (B,T,K), topk_logprobs (B,T,K), entropy (B,T), on the model's device:
+    the decoder's last hidden states, then the LM head in chunks (head_targets). The model may be whole
+    or FSDP2-sharded (load_teacher)."""
+    with root_unsharded(model):
+        h = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+        return head_targets(model, h, vocab, topk)
+
+
+@contextlib.contextmanager
+def root_unsharded(model):
+    """The root's own parameters (embeddings, final norm, LM head) gathered, under FSDP2: teacher_targets
+    calls them without the root's forward (which would gather them) so that the LM head can run in chunks.
+    Each decoder layer gathers its own in its forward, as usual. A whole model passes through."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
+def head_targets(model, h, vocab, topk):
+    """Last hidden states (B,T,H) -> the targets of teacher_targets.
 
     The LM head runs on chunks of tokens, so the logits of a whole batch (4 bytes x vocabulary per token
     in fp32) never exist at once. On CPU the softmax passes then go through each chunk in slices small
     enough to stay in cache, where they would otherwise be bound by memory bandwidth."""
-    h = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
     B, T, _ = h.shape
     chunk, piece = (1024, 64) if h.device.type == "cpu" else (4096, 4096)
     cap = getattr(model.config, "final_logit_softcapping", None)  # Gemma-2/3, as in their own forward
@@ -107,6 +135,32 @@ def teacher_targets(model, input_ids, vocab, topk):
             ids.append(indices)
     return {"topk_ids": torch.cat(ids).view(B, T, topk), "topk_logprobs": torch.cat(logprobs).view(B, T, topk),
             "entropy": torch.cat(entropy).view(B, T)}
+
+
+def load_teacher(model_name, device, shard):
+    """The teacher in eval mode: whole on this device (shard=False), or FSDP2-sharded over the ranks, each
+    decoder layer its own unit (parallel.parallelize). Sharded, only rank 0 reads the weights; the others
+    build the model on the meta device and receive their shards (parallel.load_from_rank0), so host and
+    device memory per rank fall with the number of ranks. bf16 on GPU, fp32 on CPU."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if not shard:
+        return load_model(model_name, device, dtype)[0].eval()
+    rank, _ = rank_and_world()
+    model, _ = load_model(model_name, "cpu", dtype, weights=rank == 0)
+    full_state = model.state_dict() if rank == 0 else {}  # the full tensors, while parallelize splits them
+    load_from_rank0(parallelize(model, device), full_state, rank, device)
+    with torch.no_grad():  # one root forward first: FSDP2 initialises itself lazily, from the root down
+        model.eval()(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    return model
+
+
+def fits_one_device(model_name, device, margin=0.8):
+    """Whether the teacher's bf16 weights take less than `margin` of one GPU's free memory (the rest is
+    for activations and the LM-head chunks). On CPU: yes (host memory; ask with --shard-teacher)."""
+    if device.type != "cuda":
+        return True
+    meta, _ = load_model(model_name, weights=False)  # the config alone: no reads, no memory
+    return 2 * sum(p.numel() for p in meta.parameters()) < margin * torch.cuda.mem_get_info(device)[0]
 
 
 class ShardWriter:
@@ -216,11 +270,13 @@ def _shard_done(path, identity, input_ids):
 
 def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, seq_len=512, max_tokens=None,
                 val_frac=DEFAULT_VAL_FRAC, max_val_tokens=None, text_field="text", batch_size=8, shard_seqs=64,
-                device=None):
+                device=None, shard_teacher=False):
     """Build (or finish) the teacher cache in `out` and return its path. Does nothing when a complete
     cache for the same model, tokenizer, data and settings is there; refuses (E3Error) when `out`
     holds a different one. Under torchrun every rank calls it; it uses the process group that
-    common.init_distributed set up and leaves it in place."""
+    common.init_distributed set up and leaves it in place. The teacher is FSDP2-sharded over the ranks
+    when shard_teacher is set or when it does not fit one GPU (load_teacher); every rank still runs its
+    own batches, and the cache is the same either way."""
     from transformers import AutoTokenizer
     rank, world = rank_and_world()
     if device is None:
@@ -251,12 +307,18 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
     mine = list(shards)[rank::world]
     todo = [job for job in mine if not _shard_done(out / shard_name(*job), identity, blocks[job[0]][shards[job]])]
     t0, tokens = time.time(), 0
-    if todo:
-        model, _ = load_model(model_name, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    shard = world > 1 and (shard_teacher or not fits_one_device(model_name, device))
+    # a sharded teacher runs collectives in every forward: every rank loads it if any has work, and all
+    # run as many forwards as the busiest (the others' extra ones on a dummy batch, discarded)
+    batches = all_gather(sum(-(-len(shards[job]) // batch_size) for job in todo))
+    if todo or (shard and max(batches) > 0):
+        model = load_teacher(model_name, device, shard)
         total = sum(len(shards[job]) for job in todo) * seq_len
         jobs = ((job, blocks[job[0]][shards[job]]) for job in todo)  # each shard read when it is computed
         with tqdm(total=total, unit="tok", unit_scale=True, desc="teacher targets", disable=rank != 0) as bar:
-            tokens = compute_shards(model.eval(), jobs, out, identity, batch_size, bar)
+            tokens = compute_shards(model, jobs, out, identity, batch_size, bar)
+        for _ in range(max(batches) - batches[rank] if shard else 0):
+            teacher_targets(model, blocks["train"][0:1].to(device), vocab, topk)
         del model
     # every rank hashes its own shards; rank 0 writes meta.json once all are there
     report = ({shard_name(*job): (os.path.getsize(out / shard_name(*job)), _sha256(out / shard_name(*job)))
@@ -381,6 +443,8 @@ def main():
     p.add_argument("--out", default="out/teacher_cache", help="cache folder (a rerun resumes it)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass, per rank")
     p.add_argument("--shard-seqs", type=int, default=64, help="sequences per shard: the unit of resumption")
+    p.add_argument("--shard-teacher", action="store_true", help="under torchrun, FSDP2-shard the teacher over "
+                   "the ranks (automatic when it does not fit one GPU)")
     args = p.parse_args()
     if args.model == "default" and args.max_tokens is None:
         args.max_tokens = DEMO_TOKENS  # a few minutes on a CPU, the budget of `python prune.py`
@@ -389,7 +453,7 @@ def main():
             raise E3Error(f"--{name.replace('_', '-')} must be at least 1")
     _, _, device = init_distributed()
     build_cache(args.model, args.data, args.out, args.topk, args.seq_len, args.max_tokens, args.val_frac,
-                args.max_val_tokens, args.text_field, args.batch_size, args.shard_seqs, device)
+                args.max_val_tokens, args.text_field, args.batch_size, args.shard_seqs, device, args.shard_teacher)
 
 
 if __name__ == "__main__":

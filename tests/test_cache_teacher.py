@@ -181,6 +181,42 @@ def test_two_ranks_give_the_same_cache_as_one(ref, tmp_path):
             assert torch.equal(a[split][k], b[split][k])
 
 
+SHARDED_TEACHER = """
+import os, sys
+import cache_teacher, common, transformers
+rank, real_load, weights = int(os.environ["RANK"]), cache_teacher.load_model, []
+def recording_load(*a, **kw):
+    weights.append(kw.get("weights", True))
+    return real_load(*a, **kw)
+cache_teacher.load_model = recording_load
+if rank > 0:  # from_pretrained is what reads a checkpoint's weights: no rank but 0 may call it
+    transformers.AutoModelForCausalLM.from_pretrained = lambda *a, **kw: sys.exit("rank 1 read the weights")
+sys.argv = ["cache_teacher.py", *sys.argv[1:]]
+common.run_main(cache_teacher.main)
+print("weights loaded", rank, *weights, flush=True)
+"""
+
+
+def test_a_sharded_teacher_gives_the_one_process_cache(ref, tmp_path):
+    """--shard-teacher on 2 ranks: the teacher is FSDP2-sharded, rank 1 builds it on the meta device and
+    never reads the weights, and the cache equals the 1-process one (same ids, log-probs within 1e-3)."""
+    script, out = tmp_path / "sharded.py", str(tmp_path / "cache")
+    script.write_text(SHARDED_TEACHER)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    r = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+             *cli(ref, out=out)[1:], "--shard-teacher"], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    loads = {line.split()[2]: line.split()[3:] for line in r.stdout.splitlines() if line.startswith("weights")}
+    assert loads == {"0": ["True"], "1": ["False"]}, r.stdout
+    tok = AutoTokenizer.from_pretrained(ref["model_name"])
+    a, b = everything(TeacherCache(out, tok)), everything(TeacherCache(ref["out"], tok))
+    for split in a:
+        for k in ("input_ids", "topk_ids"):
+            assert torch.equal(a[split][k], b[split][k]), (split, k)
+        for k in ("topk_logprobs", "entropy"):
+            torch.testing.assert_close(a[split][k], b[split][k], rtol=0, atol=1e-3)
+
+
 OPEN_ON_EACH_RANK = """
 import sys
 import cache_teacher, common, torch
