@@ -193,7 +193,7 @@ if rank > 0:  # from_pretrained is what reads a checkpoint's weights: no rank bu
     transformers.AutoModelForCausalLM.from_pretrained = lambda *a, **kw: sys.exit("rank 1 read the weights")
 sys.argv = ["cache_teacher.py", *sys.argv[1:]]
 common.run_main(cache_teacher.main)
-print("weights loaded", rank, *weights, flush=True)
+os.write(1, f"weights loaded {rank} {' '.join(map(str, weights))}\\n".encode())  # one write, one line
 """
 
 
@@ -218,7 +218,8 @@ def test_a_sharded_teacher_gives_the_one_process_cache(ref, tmp_path):
 
 
 OPEN_ON_EACH_RANK = """
-import sys
+import os, sys
+say = lambda line: os.write(1, (line + "\\n").encode())  # one write: the ranks' lines never interleave
 import cache_teacher, common, torch
 from transformers import AutoTokenizer
 hashed, real_sha256 = [], cache_teacher._sha256
@@ -226,7 +227,7 @@ cache_teacher._sha256 = lambda f: hashed.append(f.name) or real_sha256(f)
 def main():
     common.init_distributed()
     cache_teacher.TeacherCache(sys.argv[1], AutoTokenizer.from_pretrained(sys.argv[2]))
-    print("hashed", torch.distributed.get_rank(), *hashed, flush=True)
+    say(f"hashed {torch.distributed.get_rank()} {' '.join(hashed)}")
 common.run_main(main)
 """
 
