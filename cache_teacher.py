@@ -9,11 +9,12 @@ entropy (nats), beside the input ids. prune.py reads them back with `TeacherCach
     python cache_teacher.py --model M --data D --out DIR [--topk 10 --seq-len 512 --max-tokens N]
     torchrun --nproc_per_node 8 cache_teacher.py --model M --data D --out DIR
 
---data is a .txt/.md file, a .jsonl file (--text-field, or chat `messages`), a .parquet file, or a folder
-of them (data.py). It is tokenised once into a flat token file (data.token_file, reused by every later
-run); documents are separated by EOS and packed into --seq-len blocks. The END of the token stream
-(--val-frac, data.split) is held out as the validation split, capped at --max-val-tokens; --max-tokens
-caps the training split and lets reading stop early on a large corpus (the rule: data.py's docstring).
+--data is a .txt/.md file, a .jsonl file (--text-field, or chat `messages`), a .parquet file, or a
+folder of them (data.py). It is tokenised once into a flat token file (data.token_file, reused by
+every later run); documents are separated by EOS and packed into --seq-len blocks. The END of the
+token stream (--val-frac, data.split) is held out as the validation split, capped at
+--max-val-tokens; --max-tokens caps the training split and lets reading stop early on a large corpus
+(the rule: data.py's docstring).
 
 What DIR holds:
     train-00000.safetensors, ...   shard j of a split: its sequences [j*S, (j+1)*S), S = --shard-seqs, as
@@ -29,8 +30,9 @@ every rank holds the model; bf16 on GPU, fp32 on CPU, logits upcast to fp32 befo
 never straddle shards, so the cache does not depend on the number of ranks. A shard is written to a
 temporary file and renamed, so a killed run leaves only complete shards: rerun the same command and it
 verifies and skips them, computes the rest, and ends with the same cache as an uninterrupted run.
-A teacher too big for one GPU (or any, with --shard-teacher) is FSDP2-sharded over the ranks instead of
-copied to each (load_teacher): only rank 0 reads its weights, every rank still runs its own batches.
+A teacher too big for one GPU (or any, with --shard-teacher) is FSDP2-sharded over the ranks
+instead of copied to each (load_teacher): only rank 0 reads its weights, every rank still runs its
+own batches.
 """
 import argparse
 import contextlib
@@ -49,8 +51,9 @@ from safetensors.torch import save_file
 from torch.distributed.fsdp import FSDPModule
 from tqdm import tqdm
 
-from common import (E3Error, all_gather, default_corpus, init_distributed, load_model, model_fingerprint,
-                    print0, rank_and_world, resolve_model, run_main, tokenizer_fingerprint, vocab_size)
+from common import (E3Error, all_gather, default_corpus, init_distributed, load_model,
+                    model_fingerprint, print0, rank_and_world, resolve_model, run_main,
+                    tokenizer_fingerprint, vocab_size)
 from data import DEFAULT_VAL_FRAC, corpus_blocks
 from parallel import load_from_rank0, parallelize
 
@@ -72,7 +75,8 @@ def shard_name(split, j):
 
 
 def checked_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val_tokens):
-    """{"train": (N, T), "val": (M, T)} data.Blocks (read lazily): the training budget and the held-out end."""
+    """{"train": (N, T), "val": (M, T)} data.Blocks (read lazily): the training budget and the
+    held-out end."""
     blocks = corpus_blocks(tok, data, seq_len, max_tokens, val_frac, max_val_tokens, text_field)
     if len(blocks["train"]) == 0:
         raise E3Error(f"--max-tokens {max_tokens} is less than one --seq-len {seq_len} block; raise it")
@@ -87,9 +91,9 @@ def checked_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val
 
 @torch.no_grad()
 def teacher_targets(model, input_ids, vocab, topk):
-    """input_ids (B,T) -> topk_ids (B,T,K), topk_logprobs (B,T,K), entropy (B,T), on the model's device:
-    the decoder's last hidden states, then the LM head in chunks (head_targets). The model may be whole
-    or FSDP2-sharded (load_teacher)."""
+    """input_ids (B,T) -> topk_ids (B,T,K), topk_logprobs (B,T,K), entropy (B,T), on the model's
+    device: the decoder's last hidden states, then the LM head in chunks (head_targets). The model
+    may be whole or FSDP2-sharded (load_teacher)."""
     with root_unsharded(model):
         h = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
         return head_targets(model, h, vocab, topk)
@@ -97,9 +101,10 @@ def teacher_targets(model, input_ids, vocab, topk):
 
 @contextlib.contextmanager
 def root_unsharded(model):
-    """The root's own parameters (embeddings, final norm, LM head) gathered, under FSDP2: teacher_targets
-    calls them without the root's forward (which would gather them) so that the LM head can run in chunks.
-    Each decoder layer gathers its own in its forward, as usual. A whole model passes through."""
+    """The root's own parameters (embeddings, final norm, LM head) gathered, under FSDP2:
+    teacher_targets calls them without the root's forward (which would gather them) so that the LM
+    head can run in chunks. Each decoder layer gathers its own in its forward, as usual. A whole
+    model passes through."""
     if not isinstance(model, FSDPModule):
         yield
         return
@@ -138,29 +143,31 @@ def head_targets(model, h, vocab, topk):
 
 
 def load_teacher(model_name, device, shard):
-    """The teacher in eval mode: whole on this device (shard=False), or FSDP2-sharded over the ranks, each
-    decoder layer its own unit (parallel.parallelize). Sharded, only rank 0 reads the weights; the others
-    build the model on the meta device and receive their shards (parallel.load_from_rank0), so host and
-    device memory per rank fall with the number of ranks. bf16 on GPU, fp32 on CPU."""
+    """The teacher in eval mode: whole on this device (shard=False), or FSDP2-sharded over the
+    ranks, each decoder layer its own unit (parallel.parallelize). Sharded, only rank 0 reads the
+    weights; the others build the model on the meta device and receive their shards
+    (parallel.load_from_rank0), so host and device memory per rank fall with the number of ranks.
+    bf16 on GPU, fp32 on CPU."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if not shard:
         return load_model(model_name, device, dtype)[0].eval()
     rank, _ = rank_and_world()
     model, _ = load_model(model_name, "cpu", dtype, weights=rank == 0)
-    full_state = model.state_dict() if rank == 0 else {}  # the full tensors, while parallelize splits them
+    full_state = model.state_dict() if rank == 0 else {}  # the full tensors, while sharding
     load_from_rank0(parallelize(model, device), full_state, rank, device)
-    with torch.no_grad():  # one root forward first: FSDP2 initialises itself lazily, from the root down
+    with torch.no_grad():  # one root forward first: FSDP2 initialises lazily, from the root down
         model.eval()(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
     return model
 
 
 def fits_one_device(model_name, device, margin=0.8):
-    """Whether the teacher's bf16 weights take less than `margin` of one GPU's free memory (the rest is
-    for activations and the LM-head chunks). On CPU: yes (host memory; ask with --shard-teacher)."""
+    """Whether the teacher's bf16 weights take less than `margin` of one GPU's free memory (the rest
+    is for activations and the LM-head chunks). On CPU: yes (host memory; --shard-teacher asks)."""
     if device.type != "cuda":
         return True
     meta, _ = load_model(model_name, weights=False)  # the config alone: no reads, no memory
-    return 2 * sum(p.numel() for p in meta.parameters()) < margin * torch.cuda.mem_get_info(device)[0]
+    weights = 2 * sum(p.numel() for p in meta.parameters())
+    return weights < margin * torch.cuda.mem_get_info(device)[0]
 
 
 class ShardWriter:
@@ -202,8 +209,8 @@ class ShardWriter:
 
 
 def compute_shards(model, jobs, out, identity, batch_size, bar=None):
-    """Compute and save the shards `jobs`, pairs ((split, j), input_ids (n, T)) taken one at a time (a
-    generator reads each shard's ids only when its turn comes); returns the number of tokens done."""
+    """Compute and save the shards `jobs`, pairs ((split, j), input_ids (n, T)) taken one at a time
+    (a generator reads each shard's ids only when its turn comes); returns the tokens done."""
     vocab, topk = identity["vocab_size"], identity["topk"]
     device = next(model.parameters()).device
     writer, tokens = ShardWriter(identity), 0
@@ -274,9 +281,9 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
     """Build (or finish) the teacher cache in `out` and return its path. Does nothing when a complete
     cache for the same model, tokenizer, data and settings is there; refuses (E3Error) when `out`
     holds a different one. Under torchrun every rank calls it; it uses the process group that
-    common.init_distributed set up and leaves it in place. The teacher is FSDP2-sharded over the ranks
-    when shard_teacher is set or when it does not fit one GPU (load_teacher); every rank still runs its
-    own batches, and the cache is the same either way."""
+    common.init_distributed set up and leaves it in place. The teacher is FSDP2-sharded over the
+    ranks when shard_teacher is set or when it does not fit one GPU (load_teacher); every rank still
+    runs its own batches, and the cache is the same either way."""
     from transformers import AutoTokenizer
     rank, world = rank_and_world()
     if device is None:
@@ -290,7 +297,8 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
     vocab = vocab_size(tok)
     max_val_tokens = max_val_tokens or VAL_SEQS * seq_len
     blocks = checked_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val_tokens)
-    # rank 0 hashes the token blocks (a slice at a time); the others take its result and read only their shards
+    # rank 0 hashes the token blocks (a slice at a time); the others take its result and read only
+    # their own shards
     hashes = all_gather({s: b.sha256() for s, b in blocks.items()} if rank == 0 else None)[0]
     identity = {
         "format": FORMAT, "model": model_fingerprint(model_name), "tokenizer": tokenizer_fingerprint(tok),
@@ -302,19 +310,23 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
         print0(f"teacher cache '{out}' is complete; nothing to do")
         return str(out)
     out.mkdir(parents=True, exist_ok=True)
-    shards = {(s, j): range(j * shard_seqs, min((j + 1) * shard_seqs, len(blocks[s])))  # shard j's rows
+    shards = {(s, j): range(j * shard_seqs, min((j + 1) * shard_seqs, len(blocks[s])))  # its rows
               for s in SPLITS for j in range(-(-len(blocks[s]) // shard_seqs))}
+
+    def read(job):  # a shard's input ids, from the token file
+        return blocks[job[0]][shards[job]]
+
     mine = list(shards)[rank::world]
-    todo = [job for job in mine if not _shard_done(out / shard_name(*job), identity, blocks[job[0]][shards[job]])]
+    todo = [job for job in mine if not _shard_done(out / shard_name(*job), identity, read(job))]
     t0, tokens = time.time(), 0
     shard = world > 1 and (shard_teacher or not fits_one_device(model_name, device))
-    # a sharded teacher runs collectives in every forward: every rank loads it if any has work, and all
+    # a sharded teacher runs collectives in every forward: every rank loads it if any has work, all
     # run as many forwards as the busiest (the others' extra ones on a dummy batch, discarded)
     batches = all_gather(sum(-(-len(shards[job]) // batch_size) for job in todo))
     if todo or (shard and max(batches) > 0):
         model = load_teacher(model_name, device, shard)
         total = sum(len(shards[job]) for job in todo) * seq_len
-        jobs = ((job, blocks[job[0]][shards[job]]) for job in todo)  # each shard read when it is computed
+        jobs = ((job, read(job)) for job in todo)  # each shard read when its turn comes
         with tqdm(total=total, unit="tok", unit_scale=True, desc="teacher targets", disable=rank != 0) as bar:
             tokens = compute_shards(model, jobs, out, identity, batch_size, bar)
         for _ in range(max(batches) - batches[rank] if shard else 0):
@@ -330,7 +342,8 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
     listing = {s: [] for s in SPLITS}
     for (s, j), rows in shards.items():
         size, sha = files[shard_name(s, j)]
-        listing[s].append({"file": shard_name(s, j), "sequences": len(rows), "bytes": size, "sha256": sha})
+        listing[s].append({"file": shard_name(s, j), "sequences": len(rows), "bytes": size,
+                           "sha256": sha})
     if rank == 0:
         _write_json_atomically(out / "meta.json", {
             **identity, "data": str(data or default_corpus()), "max_tokens": max_tokens,
@@ -427,10 +440,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # teacher and data
     p.add_argument("--model", default="default", help="teacher: HF folder or hub id (default: packaged SmolLM2-135M)")
-    p.add_argument("--data", default=None, help=".txt/.md, .jsonl or .parquet file, or a folder of them "
-                   "(default: the packaged plays)")
-    p.add_argument("--text-field", default="text", help="field (.jsonl) or column (.parquet) holding the text; "
-                   "a .jsonl line without it and with a 'messages' list is a chat")
+    p.add_argument("--data", default=None, help=".txt/.md, .jsonl or .parquet file, or a folder of "
+                   "them (default: the packaged plays)")
+    p.add_argument("--text-field", default="text", help="field (.jsonl) or column (.parquet) with "
+                   "the text; a .jsonl line without it and with a 'messages' list is a chat")
     # what to cache
     p.add_argument("--topk", type=int, default=10, help="K teacher tokens kept per position")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per packed sequence")
@@ -443,8 +456,8 @@ def main():
     p.add_argument("--out", default="out/teacher_cache", help="cache folder (a rerun resumes it)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass, per rank")
     p.add_argument("--shard-seqs", type=int, default=64, help="sequences per shard: the unit of resumption")
-    p.add_argument("--shard-teacher", action="store_true", help="under torchrun, FSDP2-shard the teacher over "
-                   "the ranks (automatic when it does not fit one GPU)")
+    p.add_argument("--shard-teacher", action="store_true", help="under torchrun, FSDP2-shard the "
+                   "teacher over the ranks (automatic when it does not fit one GPU)")
     args = p.parse_args()
     if args.model == "default" and args.max_tokens is None:
         args.max_tokens = DEMO_TOKENS  # a few minutes on a CPU, the budget of `python prune.py`
@@ -453,7 +466,8 @@ def main():
             raise E3Error(f"--{name.replace('_', '-')} must be at least 1")
     _, _, device = init_distributed()
     build_cache(args.model, args.data, args.out, args.topk, args.seq_len, args.max_tokens, args.val_frac,
-                args.max_val_tokens, args.text_field, args.batch_size, args.shard_seqs, device, args.shard_teacher)
+                args.max_val_tokens, args.text_field, args.batch_size, args.shard_seqs, device,
+                args.shard_teacher)
 
 
 if __name__ == "__main__":

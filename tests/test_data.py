@@ -1,6 +1,8 @@
-"""data.py: today's demo blocks kept bit for bit, every format against the tokenizer called directly, the
-split rule, reading that stops at --max-tokens, the token file's reuse and width, one-line errors."""
+"""data.py: today's demo blocks kept bit for bit, every format against the tokenizer itself, the
+split rule, reading that stops at --max-tokens, token-file reuse and width, one-line errors."""
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import common
 import data
 from cache_teacher import checked_blocks
 
-WORDS = "thou art more lovely and more temperate rough winds do shake the darling buds of may".split()
+WORDS = "thou art more lovely and more temperate rough winds do shake the buds of may".split()
 
 
 @pytest.fixture(autouse=True)
@@ -49,9 +51,9 @@ def whole_stream(tok, path, text_field="text"):
     return data.all_blocks(tok, str(path), 1, text_field=text_field).flatten()
 
 
-# checksums (sha256, first 16 hex digits) of the packaged demo's blocks as the code before data.py made
-# them (common.read_documents -> token_stream -> split_stream -> pack, recorded at commit 6571888): the
-# README's numbers were measured on these blocks
+# checksums (sha256, first 16 hex digits) of the packaged demo's blocks as the code before data.py
+# made them (common.read_documents -> token_stream -> split_stream -> pack, recorded at commit
+# 6571888): the README's numbers were measured on these blocks
 TODAY = {(128, 40960, 4096): (320, "1a18d3811a4da605", 32, "a2c76ac728728651"),
          (512, None, None): (3158, "5040d78d1f94f962", 32, "38a598d11d4657d6"),
          (128, None, 10 ** 9): (12635, "9c929901687f9602", 665, "48fe2ebacf00886a")}
@@ -59,7 +61,8 @@ TODAY = {(128, 40960, 4096): (320, "1a18d3811a4da605", 32, "a2c76ac728728651"),
 
 def test_the_demo_blocks_are_todays(tokenizer):
     for (seq_len, max_tokens, max_val), (n_train, train_sha, n_val, val_sha) in TODAY.items():
-        blocks = checked_blocks(tokenizer, None, "text", seq_len, max_tokens, 0.05, max_val or 32 * seq_len)
+        max_val = max_val or 32 * seq_len
+        blocks = checked_blocks(tokenizer, None, "text", seq_len, max_tokens, 0.05, max_val)
         assert (len(blocks["train"]), len(blocks["val"])) == (n_train, n_val)
         assert blocks["train"].sha256()[:16] == train_sha and blocks["val"].sha256()[:16] == val_sha
 
@@ -86,7 +89,8 @@ def test_every_format_gives_the_tokenizers_own_stream(tokenizer, tmp_path):
              (tmp_path / "chat.jsonl", "text", chats), (tmp_path / "shards", "text", docs),
              (tmp_path / "shards" / "001.parquet", "text", docs[15:])]
     for path, field, expect in cases:
-        assert torch.equal(whole_stream(tokenizer, path, field), reference_stream(tokenizer, expect)), path
+        got = whole_stream(tokenizer, path, field)
+        assert torch.equal(got, reference_stream(tokenizer, expect)), path
 
 
 def test_a_corpus_read_whole_splits_at_its_end(tokenizer, tmp_path):
@@ -102,10 +106,10 @@ def test_a_corpus_read_whole_splits_at_its_end(tokenizer, tmp_path):
 
 
 def test_max_tokens_stops_reading(tokenizer, tmp_path, monkeypatch):
-    """A corpus 'too big to read whole' (the read-whole threshold lowered to 0): reading stops at the rule's
-    N tokens. The lines after the first ~N tokens are not JSON, so a reader that went on would fail, and
-    the documents handed to the tokenizer are counted. Train is the stream's start, val the end of its first
-    N tokens, disjoint; a smaller budget later reuses the file."""
+    """A corpus 'too big to read whole' (the read-whole threshold lowered to 0): reading stops at
+    the rule's N tokens. The lines after the first ~N tokens are not JSON, so a reader that went on
+    would fail, and the documents handed to the tokenizer are counted. Train is the stream's start,
+    val the end of its first N tokens, disjoint; a smaller budget later reuses the file."""
     monkeypatch.setattr(data, "READ_WHOLE_TOKENS", 0)
     monkeypatch.setattr(data, "BATCH_CHARS", 4096)  # the read-ahead: one batch of documents
     docs = sentences(3000)
@@ -124,10 +128,11 @@ def test_max_tokens_stops_reading(tokenizer, tmp_path, monkeypatch):
     assert torch.equal(blocks["val"][:len(blocks["val"])].flatten(), val[:len(val) // 16 * 16])
     # one batch of documents (BATCH_CHARS) past the ~N tokens at most, a small part of the corpus
     read_chars = sum(len(t) for t, _ in read)
-    assert read_chars <= data.BATCH_CHARS + 2 * 4 * N and len(read) < len(docs) / 2, (len(read), read_chars)
+    assert read_chars <= data.BATCH_CHARS + 2 * 4 * N, read_chars
+    assert len(read) < len(docs) / 2, len(read)
     meta = json.loads(next(data.TOKEN_DIR.glob("*/tokens.json")).read_text())
     assert (meta["tokens"], meta["complete"]) == (N, False)
-    monkeypatch.setattr(data, "write_token_file", lambda *a: pytest.fail("rewritten for a smaller budget"))
+    monkeypatch.setattr(data, "write_token_file", lambda *a: pytest.fail("rewritten for less"))
     assert torch.equal(data.train_blocks(tokenizer, str(path), seq_len, 10), blocks["train"][:10])
 
 
@@ -141,7 +146,8 @@ def test_the_token_file_is_reused_and_follows_the_corpus(tokenizer, tmp_path, to
     assert binary.stat().st_size == 2 * len(first)  # uint16: the vocabulary has 49152 ids
     assert not list(token_dir.glob("*/*.tmp*"))
     path.write_text(path.read_text() + " the end.")  # an edited corpus is another corpus
-    assert torch.equal(whole_stream(tokenizer, path), reference_stream(tokenizer, [path.read_text()]))
+    expect = reference_stream(tokenizer, [path.read_text()])
+    assert torch.equal(whole_stream(tokenizer, path), expect)
 
 
 def test_ids_beyond_uint16_are_stored_as_uint32(tokenizer, tmp_path, token_dir):
@@ -155,11 +161,13 @@ def test_ids_beyond_uint16_are_stored_as_uint32(tokenizer, tmp_path, token_dir):
     assert next(token_dir.glob("*/tokens.bin")).stat().st_size == 4 * len(got)
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "bad line", "no column", "no pyarrow", "no template"])
-def test_bad_corpora_are_one_line_errors(case, tokenizer, tmp_path, monkeypatch):
+@pytest.mark.parametrize("case", ["missing", "empty", "bad line", "no column", "no pyarrow",
+                                  "no template"])
+def test_bad_corpora_are_one_line_errors(case, tokenizer, tmp_path, monkeypatch, token_dir):
     path, tok, field = tmp_path / "c.jsonl", tokenizer, "text"
-    expect = {"missing": "does not exist", "empty": "no text found", "bad line": "c.jsonl:2 is not a JSON",
-              "no column": "no column 'text'", "no pyarrow": "needs pyarrow", "no template": "no chat template"}
+    expect = {"missing": "does not exist", "empty": "no text found",
+              "bad line": "c.jsonl:2 is not a JSON", "no column": "no column 'text'",
+              "no pyarrow": "needs pyarrow", "no template": "no chat template"}
     if case == "empty":
         path.write_text("\n" + json.dumps({"text": "  "}) + "\n")
     elif case == "bad line":
@@ -177,3 +185,19 @@ def test_bad_corpora_are_one_line_errors(case, tokenizer, tmp_path, monkeypatch)
         path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(common.E3Error, match=expect[case]):
         whole_stream(tok, path, field)
+    assert not list(token_dir.glob("*/*"))  # no token file, not even a temporary one
+
+
+def test_two_ranks_stop_together_when_rank_0_finds_no_text(tmp_path):
+    """Rank 0 alone tokenises while rank 1 waits: its error must reach rank 1 (one line, no hang)."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "cache_teacher.py", "--model", common.default_model(), "--data", str(empty),
+           "--out", str(tmp_path / "cache")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "E3_TOKEN_CACHE": str(tmp_path / "t")}
+    r = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True,
+                       text=True, timeout=300)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode != 0 and len(errors) == 1 and "no text found" in errors[0], r.stderr[-3000:]
+    assert "[rank1]: Traceback" not in r.stderr, r.stderr[-3000:]  # it too ended with the E3Error
