@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import common
+import data
 import evaluate
 import parallel
 import prune
@@ -78,7 +79,7 @@ def report(name, ratios, goal, what, detail):
 
 
 def _corpus_blocks(tok, seq_len, n):
-    return common.pack(common.token_stream(tok, common.read_documents()[:1]), seq_len)[:n]
+    return data.train_blocks(tok, None, seq_len, n)  # the first n blocks: the first play's start
 
 
 def _kd_batch(teacher, tok, seq_len, batch, topk=10):
@@ -220,7 +221,7 @@ def bench_caching(seq_len=256, batch_size=4, shards=2, shard_seqs=4, topk=10, re
 
     def caching():
         with tempfile.TemporaryDirectory() as out:  # a fresh folder each round: no shard is reused
-            compute_shards(model, jobs, out, identity, batch_size)
+            compute_shards(model, jobs.items(), out, identity, batch_size)
             size["bytes"] = sum(f.stat().st_size for f in Path(out).iterdir())
 
     t_cache, t_plain, ratio = side_by_side(caching, plain, repeats, device)

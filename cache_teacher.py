@@ -9,10 +9,12 @@ entropy (nats), beside the input ids. prune.py reads them back with `TeacherCach
     python cache_teacher.py --model M --data D --out DIR [--topk 10 --seq-len 512 --max-tokens N]
     torchrun --nproc_per_node 8 cache_teacher.py --model M --data D --out DIR
 
---data is a .txt file, a folder of .txt/.md files, or a .jsonl file (--text-field). Documents are
-separated by EOS and packed into --seq-len blocks (common.token_stream, common.pack). The END of the token
-stream (--val-frac, common.split_stream) is held out as the validation split, capped at --max-val-tokens;
---max-tokens caps the training split.
+--data is a .txt/.md file, a .jsonl file (--text-field, or chat `messages`), a .parquet file, or a
+folder of them (data.py). It is tokenised once into a flat token file (data.token_file, reused by
+every later run); documents are separated by EOS and packed into --seq-len blocks. The END of the
+token stream (--val-frac, data.split) is held out as the validation split, capped at
+--max-val-tokens; --max-tokens caps the training split and lets reading stop early on a large corpus
+(the rule: data.py's docstring).
 
 What DIR holds:
     train-00000.safetensors, ...   shard j of a split: its sequences [j*S, (j+1)*S), S = --shard-seqs, as
@@ -28,8 +30,12 @@ every rank holds the model; bf16 on GPU, fp32 on CPU, logits upcast to fp32 befo
 never straddle shards, so the cache does not depend on the number of ranks. A shard is written to a
 temporary file and renamed, so a killed run leaves only complete shards: rerun the same command and it
 verifies and skips them, computes the rest, and ends with the same cache as an uninterrupted run.
+A teacher too big for one GPU (or any, with --shard-teacher) is FSDP2-sharded over the ranks
+instead of copied to each (load_teacher): only rank 0 reads its weights, every rank still runs its
+own batches.
 """
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -42,12 +48,15 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch.distributed.fsdp import FSDPModule
 from tqdm import tqdm
 
-from common import (DEFAULT_VAL_FRAC, E3Error, all_gather, default_corpus, init_distributed, load_model,
-                    model_fingerprint, pack, print0, rank_and_world, read_documents, resolve_model, run_main,
-                    split_stream, token_stream, tokenizer_fingerprint, vocab_size)
-from surgery import check_logits_path, last_layer_output, model_logits
+from common import (E3Error, all_gather, default_corpus, init_distributed, load_model,
+                    model_fingerprint, print0, rank_and_world, resolve_model, run_main,
+                    tokenizer_fingerprint, vocab_size)
+from data import DEFAULT_VAL_FRAC, corpus_blocks
+from parallel import load_from_rank0, parallelize
+from surgery import check_logits_path, last_layer_output, model_logits, root_unsharded
 
 FORMAT = "e3-teacher-cache/1"
 VAL_SEQS = 32  # validation sequences given targets by default: enough for a stable validation loss
@@ -66,10 +75,10 @@ def shard_name(split, j):
     return f"{split}-{j:05d}.safetensors"
 
 
-def corpus_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val_tokens):
-    """{"train": (N, T), "val": (M, T)} LongTensors: the packed training budget and the held-out end."""
-    train, val = split_stream(token_stream(tok, read_documents(data, text_field)), seq_len, val_frac)
-    blocks = {"train": pack(train, seq_len, max_tokens), "val": pack(val, seq_len, max_val_tokens)}
+def checked_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val_tokens):
+    """{"train": (N, T), "val": (M, T)} data.Blocks (read lazily): the training budget and the
+    held-out end."""
+    blocks = corpus_blocks(tok, data, seq_len, max_tokens, val_frac, max_val_tokens, text_field)
     if len(blocks["train"]) == 0:
         raise E3Error(f"--max-tokens {max_tokens} is less than one --seq-len {seq_len} block; raise it")
     if val_frac > 0 and len(blocks["val"]) == 0:
@@ -83,13 +92,23 @@ def corpus_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val_
 
 @torch.no_grad()
 def teacher_targets(model, input_ids, vocab, topk):
-    """input_ids (B,T) -> topk_ids (B,T,K), topk_logprobs (B,T,K), entropy (B,T), on the model's device.
+    """input_ids (B,T) -> topk_ids (B,T,K), topk_logprobs (B,T,K), entropy (B,T), on the model's
+    device: the last decoder layer's output h from one forward (which computes the LM head for the
+    last position only), then the model's own logits from h in chunks (head_targets). The model may
+    be whole or FSDP2-sharded (load_teacher)."""
+    h, last_logits = last_layer_output(model, input_ids)
+    # under FSDP2 the final norm and the LM head are called outside the model's forward: gather them
+    with root_unsharded(model):
+        check_logits_path(model, h, last_logits)  # the cache holds log_softmax(model(x).logits)
+        return head_targets(model, h, vocab, topk)
+
+
+def head_targets(model, h, vocab, topk):
+    """Last hidden states (B,T,H) -> the targets of teacher_targets.
 
     The LM head runs on chunks of tokens, so the logits of a whole batch (4 bytes x vocabulary per token
     in fp32) never exist at once. On CPU the softmax passes then go through each chunk in slices small
     enough to stay in cache, where they would otherwise be bound by memory bandwidth."""
-    h, last_logits = last_layer_output(model, input_ids)
-    check_logits_path(model, h, last_logits)  # the cache holds log_softmax(model(x).logits)
     B, T, _ = h.shape
     chunk, piece = (1024, 64) if h.device.type == "cpu" else (4096, 4096)
     ids, logprobs, entropy = [], [], []
@@ -106,6 +125,34 @@ def teacher_targets(model, input_ids, vocab, topk):
             ids.append(indices)
     return {"topk_ids": torch.cat(ids).view(B, T, topk), "topk_logprobs": torch.cat(logprobs).view(B, T, topk),
             "entropy": torch.cat(entropy).view(B, T)}
+
+
+def load_teacher(model_name, device, shard):
+    """The teacher in eval mode: whole on this device (shard=False), or FSDP2-sharded over the
+    ranks, each decoder layer its own unit (parallel.parallelize). Sharded, only rank 0 reads the
+    weights; the others build the model on the meta device and receive their shards
+    (parallel.load_from_rank0), so host and device memory per rank fall with the number of ranks.
+    bf16 on GPU, fp32 on CPU."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if not shard:
+        return load_model(model_name, device, dtype)[0].eval()
+    rank, _ = rank_and_world()
+    model, _ = load_model(model_name, "cpu", dtype, weights=rank == 0)
+    full_state = model.state_dict() if rank == 0 else {}  # the full tensors, while sharding
+    load_from_rank0(parallelize(model, device), full_state, rank, device)
+    with torch.no_grad():  # one root forward first: FSDP2 initialises lazily, from the root down
+        model.eval()(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    return model
+
+
+def fits_one_device(model_name, device, margin=0.8):
+    """Whether the teacher's bf16 weights take less than `margin` of one GPU's free memory (the rest
+    is for activations and the LM-head chunks). On CPU: yes (host memory; --shard-teacher asks)."""
+    if device.type != "cuda":
+        return True
+    meta, _ = load_model(model_name, weights=False)  # the config alone: no reads, no memory
+    weights = 2 * sum(p.numel() for p in meta.parameters())
+    return weights < margin * torch.cuda.mem_get_info(device)[0]
 
 
 class ShardWriter:
@@ -147,12 +194,13 @@ class ShardWriter:
 
 
 def compute_shards(model, jobs, out, identity, batch_size, bar=None):
-    """Compute and save the shards `jobs` {(split, j): input_ids (n, T)}; returns the number of tokens done."""
+    """Compute and save the shards `jobs`, pairs ((split, j), input_ids (n, T)) taken one at a time
+    (a generator reads each shard's ids only when its turn comes); returns the tokens done."""
     vocab, topk = identity["vocab_size"], identity["topk"]
     device = next(model.parameters()).device
     writer, tokens = ShardWriter(identity), 0
     try:
-        for (split, j), seqs in jobs.items():
+        for (split, j), seqs in jobs:
             parts = []
             for batch in seqs.split(batch_size):
                 parts.append({k: v.cpu() for k, v in teacher_targets(model, batch.to(device), vocab, topk).items()})
@@ -214,11 +262,13 @@ def _shard_done(path, identity, input_ids):
 
 def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, seq_len=512, max_tokens=None,
                 val_frac=DEFAULT_VAL_FRAC, max_val_tokens=None, text_field="text", batch_size=8, shard_seqs=64,
-                device=None):
+                device=None, shard_teacher=False):
     """Build (or finish) the teacher cache in `out` and return its path. Does nothing when a complete
     cache for the same model, tokenizer, data and settings is there; refuses (E3Error) when `out`
     holds a different one. Under torchrun every rank calls it; it uses the process group that
-    common.init_distributed set up and leaves it in place."""
+    common.init_distributed set up and leaves it in place. The teacher is FSDP2-sharded over the
+    ranks when shard_teacher is set or when it does not fit one GPU (load_teacher); every rank still
+    runs its own batches, and the cache is the same either way."""
     from transformers import AutoTokenizer
     rank, world = rank_and_world()
     if device is None:
@@ -231,27 +281,41 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
         raise
     vocab = vocab_size(tok)
     max_val_tokens = max_val_tokens or VAL_SEQS * seq_len
-    blocks = corpus_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val_tokens)
+    blocks = checked_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val_tokens)
+    # rank 0 hashes the token blocks (a slice at a time); the others take its result and read only
+    # their own shards
+    hashes = all_gather({s: b.sha256() for s, b in blocks.items()} if rank == 0 else None)[0]
     identity = {
         "format": FORMAT, "model": model_fingerprint(model_name), "tokenizer": tokenizer_fingerprint(tok),
         "vocab_size": vocab, "topk": topk, "seq_len": seq_len, "shard_seqs": shard_seqs,
         "dtypes": {k: str(v).removeprefix("torch.") for k, v in storage_dtypes(vocab).items()},
         "sequences": {s: len(b) for s, b in blocks.items()},
-        "tokens_sha256": {s: hashlib.sha256(b.numpy().tobytes()).hexdigest() for s, b in blocks.items()}}
+        "tokens_sha256": hashes}
     if _complete(out, identity):
         print0(f"teacher cache '{out}' is complete; nothing to do")
         return str(out)
     out.mkdir(parents=True, exist_ok=True)
-    shards = {(s, j): blocks[s][j * shard_seqs:(j + 1) * shard_seqs]  # views: shard j of split s
+    shards = {(s, j): range(j * shard_seqs, min((j + 1) * shard_seqs, len(blocks[s])))  # its rows
               for s in SPLITS for j in range(-(-len(blocks[s]) // shard_seqs))}
+
+    def read(job):  # a shard's input ids, from the token file
+        return blocks[job[0]][shards[job]]
+
     mine = list(shards)[rank::world]
-    todo = [job for job in mine if not _shard_done(out / shard_name(*job), identity, shards[job])]
+    todo = [job for job in mine if not _shard_done(out / shard_name(*job), identity, read(job))]
     t0, tokens = time.time(), 0
-    if todo:
-        model, _ = load_model(model_name, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
-        total = sum(shards[job].numel() for job in todo)
+    shard = world > 1 and (shard_teacher or not fits_one_device(model_name, device))
+    # a sharded teacher runs collectives in every forward: every rank loads it if any has work, all
+    # run as many forwards as the busiest (the others' extra ones on a dummy batch, discarded)
+    batches = all_gather(sum(-(-len(shards[job]) // batch_size) for job in todo))
+    if todo or (shard and max(batches) > 0):
+        model = load_teacher(model_name, device, shard)
+        total = sum(len(shards[job]) for job in todo) * seq_len
+        jobs = ((job, read(job)) for job in todo)  # each shard read when its turn comes
         with tqdm(total=total, unit="tok", unit_scale=True, desc="teacher targets", disable=rank != 0) as bar:
-            tokens = compute_shards(model.eval(), {job: shards[job] for job in todo}, out, identity, batch_size, bar)
+            tokens = compute_shards(model, jobs, out, identity, batch_size, bar)
+        for _ in range(max(batches) - batches[rank] if shard else 0):
+            teacher_targets(model, blocks["train"][0:1].to(device), vocab, topk)
         del model
     # every rank hashes its own shards; rank 0 writes meta.json once all are there
     report = ({shard_name(*job): (os.path.getsize(out / shard_name(*job)), _sha256(out / shard_name(*job)))
@@ -261,9 +325,10 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
     total_bytes = sum(size for size, _ in files.values())
     n_tokens = sum(identity["sequences"].values()) * seq_len
     listing = {s: [] for s in SPLITS}
-    for (s, j), seqs in shards.items():
+    for (s, j), rows in shards.items():
         size, sha = files[shard_name(s, j)]
-        listing[s].append({"file": shard_name(s, j), "sequences": len(seqs), "bytes": size, "sha256": sha})
+        listing[s].append({"file": shard_name(s, j), "sequences": len(rows), "bytes": size,
+                           "sha256": sha})
     if rank == 0:
         _write_json_atomically(out / "meta.json", {
             **identity, "data": str(data or default_corpus()), "max_tokens": max_tokens,
@@ -360,8 +425,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # teacher and data
     p.add_argument("--model", default="default", help="teacher: HF folder or hub id (default: packaged SmolLM2-135M)")
-    p.add_argument("--data", default=None, help=".txt file, folder of .txt/.md, or .jsonl (default: packaged plays)")
-    p.add_argument("--text-field", default="text", help="field holding the text in a .jsonl file")
+    p.add_argument("--data", default=None, help=".txt/.md, .jsonl or .parquet file, or a folder of "
+                   "them (default: the packaged plays)")
+    p.add_argument("--text-field", default="text", help="field (.jsonl) or column (.parquet) with "
+                   "the text; a .jsonl line without it and with a 'messages' list is a chat")
     # what to cache
     p.add_argument("--topk", type=int, default=10, help="K teacher tokens kept per position")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per packed sequence")
@@ -374,6 +441,8 @@ def main():
     p.add_argument("--out", default="out/teacher_cache", help="cache folder (a rerun resumes it)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass, per rank")
     p.add_argument("--shard-seqs", type=int, default=64, help="sequences per shard: the unit of resumption")
+    p.add_argument("--shard-teacher", action="store_true", help="under torchrun, FSDP2-shard the "
+                   "teacher over the ranks (automatic when it does not fit one GPU)")
     args = p.parse_args()
     if args.model == "default" and args.max_tokens is None:
         args.max_tokens = DEMO_TOKENS  # a few minutes on a CPU, the budget of `python prune.py`
@@ -382,7 +451,8 @@ def main():
             raise E3Error(f"--{name.replace('_', '-')} must be at least 1")
     _, _, device = init_distributed()
     build_cache(args.model, args.data, args.out, args.topk, args.seq_len, args.max_tokens, args.val_frac,
-                args.max_val_tokens, args.text_field, args.batch_size, args.shard_seqs, device)
+                args.max_val_tokens, args.text_field, args.batch_size, args.shard_seqs, device,
+                args.shard_teacher)
 
 
 if __name__ == "__main__":

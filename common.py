@@ -1,6 +1,6 @@
 """
-Plumbing shared by the E3-Pruner scripts: the packaged demo model and corpus, loading a model, turning
-a corpus into packed token blocks, the torchrun helpers, and the one-line error exit.
+Plumbing shared by the E3-Pruner scripts: the packaged demo model and corpus, loading a model, the
+torchrun helpers, and the one-line error exit (the corpus -> token blocks path is data.py).
 
 Nothing in here is part of the method; the method lives in sampler.py, kd.py, surgery.py and prune.py.
 """
@@ -17,7 +17,6 @@ import torch
 CACHE_DIR = Path(os.environ.get("E3_CACHE", Path.home() / ".cache" / "e3-pruner"))
 TEACHER_CACHE_DIR = Path(os.environ.get("E3_TEACHER_CACHE", CACHE_DIR / "teacher"))  # prune.py's own caches
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_VAL_FRAC = 0.05  # the end of the corpus token stream, held out from training (split_stream)
 
 
 class E3Error(Exception):
@@ -173,72 +172,3 @@ def tokenizer_fingerprint(tok):
 def vocab_size(tok):
     """Number of real tokenizer ids; model logits may have padding rows beyond it (Sec. 3.3: the student and the teacher must share the vocabulary)."""
     return len(tok)
-
-
-# -----------------------------------------------------------------------------
-# Corpus -> one token stream -> packed blocks
-
-def read_documents(data=None, text_field="text"):
-    """A list of documents from a .txt file, a folder of .txt/.md files, or a .jsonl file
-    (field `text_field`). Default: the packaged Shakespeare corpus, one play per document."""
-    path = Path(data or default_corpus()).expanduser()
-    if not path.exists():
-        raise E3Error(f"data path '{path}' does not exist; pass --data with a .txt/.jsonl file or a folder")
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md") and p.is_file())
-        docs = [p.read_text(encoding="utf-8", errors="replace") for p in files]
-    elif path.suffix == ".jsonl":
-        docs = []
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    docs.append(json.loads(line)[text_field])
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise E3Error(f"{path}:{n} is not a JSON object with a '{text_field}' field; "
-                                  f"fix the line or pass --text-field") from None
-    else:
-        docs = [path.read_text(encoding="utf-8", errors="replace")]
-    docs = [d for d in docs if d.strip()]
-    if not docs:
-        raise E3Error(f"no text found in '{path}'; pass --data with a non-empty corpus")
-    return docs
-
-
-def token_stream(tok, docs):
-    """All documents as one 1-D LongTensor. BOS convention: each document is encoded the way the
-    tokenizer does by default (Llama-2 prepends BOS, SmolLM2/Qwen add nothing) and followed by EOS;
-    blocks are then cut from this stream with nothing inserted."""
-    ids = []
-    eos = tok.eos_token_id
-    for enc in tok(docs, add_special_tokens=True)["input_ids"]:
-        ids.extend(enc)
-        if eos is not None:
-            ids.append(eos)
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def split_stream(ids, seq_len, val_frac, min_val_blocks=4):
-    """(train, val) token streams. Validation is the END of the stream (val_frac of it, at least
-    `min_val_blocks` blocks of seq_len + 1 tokens), so it never depends on the training budget and
-    evaluate.py can find the same held-out text without a cache."""
-    n_val = max(int(len(ids) * val_frac), min_val_blocks * (seq_len + 1)) if val_frac > 0 else 0
-    if len(ids) - n_val < seq_len + 1:
-        raise E3Error(f"corpus has only {len(ids)} tokens, too few for seq-len {seq_len} with a "
-                      f"validation split; pass more --data or a smaller --seq-len")
-    return ids[: len(ids) - n_val], ids[len(ids) - n_val:]
-
-
-def pack(ids, seq_len, max_tokens=None):
-    """Cut a stream into [N, seq_len] blocks (the tail that does not fill a block is dropped)."""
-    if max_tokens:
-        ids = ids[:max_tokens]
-    n = len(ids) // seq_len
-    return ids[: n * seq_len].view(n, seq_len)
-
-
-def held_out_blocks(tok, data, seq_len, val_frac=DEFAULT_VAL_FRAC, max_tokens=None):
-    """The validation blocks of a corpus: what the training loop reports and evaluate.py scores."""
-    _, val = split_stream(token_stream(tok, read_documents(data)), seq_len, val_frac)
-    return pack(val, seq_len, max_tokens)

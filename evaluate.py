@@ -17,7 +17,7 @@ Quality, every statistic on the same predictions:
   windows  non-overlapping blocks of --seq-len tokens (stride = seq-len), at most --max-tokens tokens.
            Each block is scored alone: seq-len - 1 next-token predictions, each conditioned only on the
            tokens before it in its block. No padding and no inserted BOS: documents are tokenized as in
-           training (common.token_stream: the tokenizer's default special tokens, EOS after each).
+           training (data.py: the tokenizer's default special tokens, EOS after each).
   ppl      exp(mean NLL); kl = mean KL(teacher || model) over the full vocabulary in fp32, logits sliced
            to the tokenizer's vocabulary; top1 = how often both models' most likely tokens agree.
 Speed, the dense teacher and the model side by side (interleaved repeats, medians after warm-up):
@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import (DEFAULT_VAL_FRAC, E3Error, held_out_blocks, load_model, pack, print0, read_documents,
-                    resolve_model, run_main, token_stream, tokenizer_fingerprint, vocab_size)
+from common import E3Error, load_model, print0, resolve_model, run_main, tokenizer_fingerprint, vocab_size
+from data import DEFAULT_VAL_FRAC, all_blocks, held_out_blocks
 from surgery import decoder_layers
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
@@ -126,11 +126,11 @@ def load_teacher(name, tok, device, dtype):
 
 def eval_blocks(tok, args):
     """[N, seq_len] windows: the held-out end of --data, or all of it with --val-frac 1."""
-    if args.val_frac >= 1:
-        ids = token_stream(tok, read_documents(args.data, args.text_field))
-        blocks = pack(ids, args.seq_len, args.max_tokens or None)
-    else:
-        blocks = held_out_blocks(tok, args.data, args.seq_len, args.val_frac, args.max_tokens or None)
+    if args.val_frac >= 1:  # reading stops after --max-tokens
+        blocks = all_blocks(tok, args.data, args.seq_len, args.max_tokens or None, args.text_field)
+    else:  # the end of the whole corpus: it is read (and tokenised, once) to the end
+        blocks = held_out_blocks(tok, args.data, args.seq_len, args.val_frac, args.max_tokens or None,
+                                 args.text_field)
     if len(blocks) == 0:
         raise E3Error(f"--data holds fewer than --seq-len {args.seq_len} tokens to score; pass more text "
                       f"or a smaller --seq-len")

@@ -35,6 +35,7 @@ from torch import nn
 
 import baselines
 import common
+import data
 import parallel
 from cache_teacher import TeacherCache, build_cache
 from checkpoint import Run
@@ -292,11 +293,7 @@ def calibration_batches(args, tok, cache, rank, world):
     the same number of forwards (FSDP's collectives must match). From --data if given, else the
     cache."""
     if args.data or cache is None:
-        docs = common.read_documents(args.data, args.text_field)
-        ids = common.token_stream(tok, docs)
-        # the training part only: the end of the stream is held out for evaluation
-        train, _ = common.split_stream(ids, args.seq_len, common.DEFAULT_VAL_FRAC)
-        seqs = common.pack(train, args.seq_len)[: args.n_calib]
+        seqs = data.train_blocks(tok, args.data, args.seq_len, args.n_calib, args.text_field)
     else:
         seqs = cache.get(list(range(min(args.n_calib, cache.len_split("train")))))["input_ids"]
     per_rank = math.ceil(len(seqs) / world)

@@ -236,7 +236,7 @@ def layer_importance(model, batches, method="kl", vocab=None, generator=None, ch
             h_full, last_logits = last_layer_output(model, ids, attn)
             rec.active = False
             # the root unit (final norm, LM head) stays gathered through this batch's L skip runs
-            with _root_unsharded(model):
+            with root_unsharded(model):
                 if n == 0 and method == "kl":
                     check_logits_path(model, h_full, last_logits)
                 total[:L] += _batch_scores(model, layers, rec, method, h_full, vocab, chunk, valid)
@@ -304,7 +304,7 @@ def _chunked_kl(model, h_skip, h_full, vocab, chunk, logp_full=None):
     return torch.cat(out).view(B, T)
 
 
-class _root_unsharded:
+class root_unsharded:
     """Under FSDP2 the root unit (embeddings, final norm, LM head) is sharded outside the root's own
     forward; calling the head directly needs it gathered first. A no-op without FSDP."""
 

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import cache_teacher
 import common
+import data
 import kd
 import surgery
 from cache_teacher import TeacherCache, build_cache
@@ -26,7 +27,8 @@ V = 49152
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """Three short ASCII documents (Shakespeare) in a .jsonl file whose text field is 'body'."""
-    docs = [d[:1200].encode("ascii", "ignore").decode() for d in common.read_documents()[:3]]
+    plays = sorted(Path(common.default_corpus()).rglob("*.md"))[:3]
+    docs = [p.read_text()[:1200].encode("ascii", "ignore").decode() for p in plays]
     path = tmp_path_factory.mktemp("corpus") / "plays.jsonl"
     path.write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
     return path, docs
@@ -179,8 +181,45 @@ def test_two_ranks_give_the_same_cache_as_one(ref, tmp_path):
             assert torch.equal(a[split][k], b[split][k])
 
 
+SHARDED_TEACHER = """
+import os, sys
+import cache_teacher, common, transformers
+rank, real_load, weights = int(os.environ["RANK"]), cache_teacher.load_model, []
+def recording_load(*a, **kw):
+    weights.append(kw.get("weights", True))
+    return real_load(*a, **kw)
+cache_teacher.load_model = recording_load
+if rank > 0:  # from_pretrained is what reads a checkpoint's weights: no rank but 0 may call it
+    transformers.AutoModelForCausalLM.from_pretrained = lambda *a, **kw: sys.exit("rank 1 read the weights")
+sys.argv = ["cache_teacher.py", *sys.argv[1:]]
+common.run_main(cache_teacher.main)
+os.write(1, f"weights loaded {rank} {' '.join(map(str, weights))}\\n".encode())  # one write, one line
+"""
+
+
+def test_a_sharded_teacher_gives_the_one_process_cache(ref, tmp_path):
+    """--shard-teacher on 2 ranks: the teacher is FSDP2-sharded, rank 1 builds it on the meta device and
+    never reads the weights, and the cache equals the 1-process one (same ids, log-probs within 1e-3)."""
+    script, out = tmp_path / "sharded.py", str(tmp_path / "cache")
+    script.write_text(SHARDED_TEACHER)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    r = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+             *cli(ref, out=out)[1:], "--shard-teacher"], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    loads = {line.split()[2]: line.split()[3:] for line in r.stdout.splitlines() if line.startswith("weights")}
+    assert loads == {"0": ["True"], "1": ["False"]}, r.stdout
+    tok = AutoTokenizer.from_pretrained(ref["model_name"])
+    a, b = everything(TeacherCache(out, tok)), everything(TeacherCache(ref["out"], tok))
+    for split in a:
+        for k in ("input_ids", "topk_ids"):
+            assert torch.equal(a[split][k], b[split][k]), (split, k)
+        for k in ("topk_logprobs", "entropy"):
+            torch.testing.assert_close(a[split][k], b[split][k], rtol=0, atol=1e-3)
+
+
 OPEN_ON_EACH_RANK = """
-import sys
+import os, sys
+say = lambda line: os.write(1, (line + "\\n").encode())  # one write: the ranks' lines never interleave
 import cache_teacher, common, torch
 from transformers import AutoTokenizer
 hashed, real_sha256 = [], cache_teacher._sha256
@@ -188,7 +227,7 @@ cache_teacher._sha256 = lambda f: hashed.append(f.name) or real_sha256(f)
 def main():
     common.init_distributed()
     cache_teacher.TeacherCache(sys.argv[1], AutoTokenizer.from_pretrained(sys.argv[2]))
-    print("hashed", torch.distributed.get_rank(), *hashed, flush=True)
+    say(f"hashed {torch.distributed.get_rank()} {' '.join(hashed)}")
 common.run_main(main)
 """
 
@@ -283,7 +322,7 @@ def test_fp16_logprobs_change_the_kd_loss_negligibly():
     student that lost 6 of its 30 layers, the kd and akd losses against fp16-rounded targets are within
     1e-3 (relative) of those against the fp32 targets."""
     model, tok = common.load_model(None)
-    ids = common.pack(common.token_stream(tok, common.read_documents()[:1]), 128)[10:12]
+    ids = data.train_blocks(tok, None, 128, 12)[10:12]
     targets = cache_teacher.teacher_targets(model, ids, common.vocab_size(tok), 10)
     surgery.remove_layers(model, [i for i in range(30) if i not in range(12, 18)])
     with torch.no_grad():

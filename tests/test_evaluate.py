@@ -122,8 +122,9 @@ def test_quality_matches_float64_recomputation(assets, tokenizer, tmp_path):
 def test_default_windows_are_the_held_out_end(assets, tokenizer):
     args = evaluate.parse_args(["--data", str(assets["text"]), "--seq-len", "16", "--max-tokens", "0"])
     blocks = evaluate.eval_blocks(tokenizer, args)
-    ids = common.token_stream(tokenizer, common.read_documents(str(assets["text"])))
-    _, val = common.split_stream(ids, 16, common.DEFAULT_VAL_FRAC)
+    # the stream and the split written out: the text, EOS; the last max(5%, 4 x 17 tokens) held out
+    ids = torch.tensor(tokenizer(assets["text"].read_text())["input_ids"] + [tokenizer.eos_token_id])
+    val = ids[len(ids) - max(int(len(ids) * 0.05), 4 * 17):]
     assert torch.equal(ids[-len(val):], val) and torch.equal(blocks.flatten(), val[: blocks.numel()])
     assert len(val) - blocks.numel() < 16
 
