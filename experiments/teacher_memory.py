@@ -44,14 +44,16 @@ def main():
         random_llama(tmp / "llama")
         (tmp / "rank_main.py").write_text(RANK_MAIN)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(4 << 20)}
-        args = [str(ROOT), "--model", str(tmp / "llama"), "--max-tokens", "2048", "--seq-len", "256",
-                "--max-val-tokens", "256", "--batch-size", "4", "--shard-seqs", "4"]
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        args = [str(ROOT), "--model", str(tmp / "llama"), "--max-tokens", "2048",
+                "--seq-len", "256", "--max-val-tokens", "256", "--batch-size", "4", "--shard-seqs", "4"]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc_per_node", "2"]
         runs = {"1 process": [sys.executable], "2 ranks, whole teacher each": torchrun,
                 "2 ranks, --shard-teacher": torchrun}
         for i, (what, launch) in enumerate(runs.items()):
             extra = ["--shard-teacher"] if "shard" in what else []
-            cmd = [*launch, str(tmp / "rank_main.py"), *args, "--out", str(tmp / f"cache{i}"), *extra]
+            out = ["--out", str(tmp / f"cache{i}")]
+            cmd = [*launch, str(tmp / "rank_main.py"), *args, *out, *extra]
             r = subprocess.run(cmd, env=env, capture_output=True, text=True)
             peaks = sorted(line for line in r.stdout.splitlines() if line.startswith("rank"))
             print(f"{what}: {'; '.join(peaks) or r.stderr[-2000:]}", flush=True)
