@@ -45,7 +45,8 @@ def main():
         (tmp / "rank_main.py").write_text(RANK_MAIN)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(4 << 20)}
         args = [str(ROOT), "--model", str(tmp / "llama"), "--max-tokens", "2048",
-                "--seq-len", "256", "--max-val-tokens", "256", "--batch-size", "4", "--shard-seqs", "4"]
+                "--seq-len", "256", "--max-val-tokens", "256", "--batch-size", "4",
+                "--shard-seqs", "4"]
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc_per_node", "2"]
         runs = {"1 process": [sys.executable], "2 ranks, whole teacher each": torchrun,
