@@ -199,9 +199,14 @@ os.write(1, f"weights loaded {rank} {' '.join(map(str, weights))}\\n".encode()) 
 
 def test_a_sharded_teacher_gives_the_one_process_cache(ref, tmp_path):
     """--shard-teacher on 2 ranks: the teacher is FSDP2-sharded, rank 1 builds it on the meta device and
-    never reads the weights, and the cache equals the 1-process one (same ids, log-probs within 1e-3)."""
+    never reads the weights, and the cache equals the 1-process one (same ids, log-probs within 1e-3).
+    Two of rank 0's shards are already there (a resumed run): it has fewer batches than rank 1 and
+    must run dummy forwards for rank 1's all-gathers, or the run hangs."""
     script, out = tmp_path / "sharded.py", str(tmp_path / "cache")
     script.write_text(SHARDED_TEACHER)
+    Path(out).mkdir()
+    for name in ("train-00000.safetensors", "train-00002.safetensors"):  # shards 0 and 2: rank 0's
+        shutil.copy(Path(ref["out"]) / name, Path(out) / name)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     r = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
              *cli(ref, out=out)[1:], "--shard-teacher"], env=env)
