@@ -1,5 +1,5 @@
 """
-Pre-compute the teacher's targets for offline top-K knowledge distillation (paper 3.3, SPEC 3).
+Pre-compute the teacher's targets for offline top-K knowledge distillation (paper Sec. 3.3).
 
 For every position of every packed sequence the teacher's prediction of the next token is stored: its
 top-K token ids, their log-probabilities under the FULL-vocabulary softmax, and the full-vocabulary
@@ -51,7 +51,7 @@ from safetensors.torch import save_file
 from torch.distributed.fsdp import FSDPModule
 from tqdm import tqdm
 
-from common import (E3Error, all_gather, default_corpus, init_distributed, load_model,
+from common import (E3Error, HelpFormatter, all_gather, default_corpus, init_distributed, load_model,
                     model_fingerprint, print0, rank_and_world, resolve_model, run_main,
                     tokenizer_fingerprint, vocab_size)
 from data import DEFAULT_VAL_FRAC, corpus_blocks
@@ -422,7 +422,7 @@ class TeacherCache:
 # -----------------------------------------------------------------------------
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     # teacher and data
     p.add_argument("--model", default="default", help="teacher: HF folder or hub id (default: packaged SmolLM2-135M)")
     p.add_argument("--data", default=None, help=".txt/.md, .jsonl or .parquet file, or a folder of "

@@ -4,6 +4,7 @@ torchrun helpers, and the one-line error exit (the corpus -> token blocks path i
 
 Nothing in here is part of the method; the method lives in sampler.py, kd.py, surgery.py and prune.py.
 """
+import argparse
 import hashlib
 import importlib.util
 import json
@@ -34,6 +35,17 @@ def run_main(main):
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help keeps the description's layout and ends every flag's help with its default, unless the
+    help already names it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS) or action.default is False:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 # -----------------------------------------------------------------------------

