@@ -65,7 +65,7 @@ def layer_list(text):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+    p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Defaults read 'demo X / paper Y': the demo's without "
                                        "--model.")
