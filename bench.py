@@ -152,13 +152,13 @@ def bench_finetune(seq_len=128, batch=4, repeats=5):
     # over. The kept layers stay at their old addresses; a ratio near 1 says nothing of the
     # pruning leaks.
     args = SimpleNamespace(keep=KEEP, lr=1e-6, weight_decay=0.0)
-    opt_p = torch.optim.AdamW(pruned.parameters(), lr=1e-6, betas=(0.9, 0.95))
+    opt_p = prune.make_optimizer(pruned, args)  # prune.py's AdamW (fused), on both sides
     _train_step(pruned, opt_p, b, vocab, device)
     scores = torch.zeros(L).index_fill_(0, torch.tensor(kept), 1.0)
     kept_by_cut, opt_p = prune.prune_to_top_k(pruned, opt_p, scores, args, [])
     assert kept_by_cut == kept
     fresh = type(pruned)(pruned.config).to(device).train()  # same k-layer shape, never pruned
-    opt_f = torch.optim.AdamW(fresh.parameters(), lr=1e-6)
+    opt_f = prune.make_optimizer(fresh, args)
     t_p, t_f, ratio = side_by_side(lambda: _train_step(pruned, opt_p, b, vocab, device),
                                    lambda: _train_step(fresh, opt_f, b, vocab, device),
                                    repeats, device)
