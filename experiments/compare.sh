@@ -7,6 +7,7 @@
 #   bash experiments/compare.sh            # the six methods, then the table
 #   bash experiments/compare.sh ablations  # initialisation, search budget, score lr (KD vs AKD: main table)
 #   bash experiments/compare.sh seeds      # seeds 1 and 2 of the three closest methods (seed 0: main)
+#   bash experiments/compare.sh searches   # the evolutionary search and the random control, then AKD
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=${RUNS:-runs/compare}
@@ -24,6 +25,14 @@ if [ "${1:-main}" = main ]; then
   run e3-akd       $P --loss akd
   python evaluate.py --model $R/shortgpt $R/minitron $R/sheared $R/kl-oneshot $R/e3-kd $R/e3-akd \
     --no-speed --seq-len 128 --max-tokens 16384 --out $R/report
+elif [ "$1" = searches ]; then
+  # The searches the reviewers asked for, then the same AKD fine-tune: EvoPress-style evolution from the
+  # KL top-k (8 generations x 16 children, 128 then 4,096 tokens: <= 86K forward tokens) and the random
+  # control at the same forward-token budget; E3 and KL one-shot from the main table beside them.
+  run evo    $P --search evo --loss akd
+  run random $P --search random --loss akd
+  python evaluate.py --model $R/kl-oneshot $R/e3-akd $R/evo $R/random \
+    --no-speed --no-figures --seq-len 128 --max-tokens 16384 --out $R/searches
 elif [ "$1" = seeds ]; then
   # The seed sets the data order and, for E3, the Gumbel draws; the teacher cache and the KL scores are the
   # same for every seed. Is E3's margin over KL one-shot larger than what the seed alone moves?
