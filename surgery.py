@@ -2,20 +2,22 @@
 Layer surgery on Hugging Face causal LMs, shared by prune.py, cache_teacher.py, evaluate.py and
 bench.py:
 
-  decoder_layers(model)           the decoder-layer ModuleList (SPEC notation: "a layer")
-  LayerGates(model)               the masked forward X_{l+1} = X_l + m_l (f(X_l) - X_l)  (paper 3.1)
+  decoder_layers(model)           the decoder-layer ModuleList (the paper's "layer")
+  LayerGates(model)               the masked forward X_{l+1} = X_l + m_l (f(X_l) - X_l)
+                                  (paper Sec. 3.1)
   model_logits(model, h_L)        the model's own logits from the last layer's output: final norm,
                                   LM head, soft-capping / logit scales
   lora_targets(layer)             the nn.Linear maps LoRA adapts (attention, dense/shared MLPs)
   layer_importance(model, ...)    s_l by KL(p_{-l} || p) with prefix reuse, chunked over tokens, or
-                                  ShortGPT's BI                                  (paper 3.2, SPEC 1)
+                                  ShortGPT's BI (paper Sec. 3.2)
   check_removable(config, kept)   refuse before any work a layer layout the config cannot express
   remove_layers(model, keep)      physical removal: ModuleList, layer_idx, per-layer settings and
-                                  MoE layouts of the config (pruned_config)                 (SPEC 5)
+                                  MoE layouts of the config (pruned_config)
   export_pruned(source, state..)  the trained state as the user gave the source: dtype, generation
-                                  config, tokenizer files, chat template; pruning.json      (SPEC 5)
+                                  config, tokenizer files, chat template; pruning.json
 
-HF decoder layers already add their own residuals, so f(X_l) in the paper's eq. 1 is `layer(x) - x`.
+HF decoder layers already add their own residuals, so f(X_l) in the paper's eq. 1 is
+`layer(x) - x`.
 """
 import copy
 import json
@@ -29,8 +31,10 @@ from torch import nn
 
 from common import E3Error, all_reduce_sum, load_model
 
-_LAYER_PATHS = ("model.layers", "model.language_model.layers", "model.decoder.layers", "transformer.h",
-                "gpt_neox.layers", "transformer.blocks")
+# where the families keep their decoder layers: Llama-likes, multimodal wrappers (Gemma3), OPT,
+# GPT-2/Falcon/Bloom, GPT-NeoX, MPT
+_LAYER_PATHS = ("model.layers", "model.language_model.layers", "model.decoder.layers",
+                "transformer.h", "gpt_neox.layers", "transformer.blocks")
 
 
 def _layers_owner(model):
@@ -39,11 +43,11 @@ def _layers_owner(model):
         *parents, attr = path.split(".")
         owner = model
         for p in parents:
-            owner = getattr(owner, p, None)
+            owner = getattr(owner, p, None)  # None on a miss: the isinstance below then fails
         if isinstance(getattr(owner, attr, None), nn.ModuleList):
             return owner, attr
-    raise E3Error(f"{type(model).__name__} has no decoder-layer list (looked for {', '.join(_LAYER_PATHS)}); "
-                  f"add its path to surgery._LAYER_PATHS")
+    raise E3Error(f"{type(model).__name__} has no decoder-layer list "
+                  f"(looked for {', '.join(_LAYER_PATHS)}); add its path to surgery._LAYER_PATHS")
 
 
 def decoder_layers(model):
@@ -52,21 +56,24 @@ def decoder_layers(model):
 
 
 def _hidden(args, kwargs):
+    # the families differ in whether the hidden state is passed by position or by keyword
     return args[0] if args else kwargs["hidden_states"]
 
 
 def _replace_hidden(output, new):
-    """Decoder layers return a tensor (transformers >= 5) or a tuple whose first item is the hidden state."""
+    """Decoder layers return a tensor (transformers >= 5) or a tuple whose first item is the hidden
+    state."""
     return new if torch.is_tensor(output) else (new, *output[1:])
 
 
 class LayerGates:
     """Forward hooks that turn every decoder layer l into   out = x + m_l * (layer(x) - x).
 
-    Computed by torch.lerp(x, layer(x), m): the same function and gradient d out / d m = layer(x) - x in
-    one fused kernel, and exact at the ends (lerp returns the layer's output bit-exactly when m = 1 and
-    the input when m = 0), so a hard-masked model and the physically pruned model agree exactly.
-    A layer with m_l = 0 still runs: its delta is the gradient signal for its score (SPEC 2).
+    Computed by torch.lerp(x, layer(x), m): the same function and gradient
+    d out / d m = layer(x) - x in one fused kernel, and exact at the ends (lerp returns the layer's
+    output bit-exactly when m = 1 and the input when m = 0), so a hard-masked model and the
+    physically pruned model agree exactly. A layer with m_l = 0 still runs: its delta is the
+    gradient signal for its score (the straight-through estimator of Sec. 3.2).
     `mask = None` switches the gates off. Hooks keep the state-dict keys and FSDP units untouched.
     """
 
@@ -78,9 +85,10 @@ class LayerGates:
     def _hook(self, i):
         def gate(module, args, kwargs, output):
             if self.mask is None:
-                return None
+                return None  # a forward hook returning None leaves the output as it is
             x = _hidden(args, kwargs)
             y = output if torch.is_tensor(output) else output[0]
+            # the mask in the activations' dtype: lerp needs one dtype, and autograd casts back
             return _replace_hidden(output, torch.lerp(x, y, self.mask[i].to(y.dtype)))
         return gate
 
@@ -103,6 +111,7 @@ def final_norm(model):
     misses."""
     owner, _ = _layers_owner(model)
     norms = [getattr(owner, n) for n in _FINAL_NORMS if getattr(owner, n, None) is not None]
+    # at most one norm: the names above are alternatives, never applied in sequence
     steps = norms[:1] + [m for m in [getattr(owner, "project_out", None)] if m is not None]
     return nn.Sequential(*steps)  # empty: the identity
 
@@ -132,6 +141,7 @@ def last_layer_output(model, input_ids, attention_mask=None):
     """(h_L, the model's own logits at the last position) from one forward that computes the LM head
     for the last position only (logits_to_keep=1), so no (T, V) tensor is made here."""
     out = {}
+    # a hook on the last layer, not output_hidden_states: that would keep all L + 1 hidden states
     hook = decoder_layers(model)[-1].register_forward_hook(
         lambda module, args, output: out.update(h=output if torch.is_tensor(output) else output[0]))
     try:
@@ -148,6 +158,8 @@ def check_logits_path(model, h, last_logits):
     recomputed logits of the last position must be the model's own."""
     z = model_logits(model, h[:, -1]).float()
     ref = last_logits.float()
+    # loose and relative: rounding may differ between the two paths; a missing norm or logit
+    # scale is off by far more
     if (z - ref).abs().max() > 1e-2 * (1 + ref.abs().max()):
         raise E3Error(f"{type(model).__name__}: logits recomputed from the last layer's output "
                       f"differ from the model's own by {(z - ref).abs().max():.3g}; teach "
@@ -155,24 +167,24 @@ def check_logits_path(model, h, last_logits):
 
 
 # -----------------------------------------------------------------------------
-# LoRA targets (SPEC 4)
+# LoRA targets (paper App. D)
 
 # MoE routers: Mixtral/Qwen/DeepSeek `gate`, Llama-4 and GPT-OSS `router`, Qwen-MoE shared gate
 _ROUTERS = ("gate", "router", "shared_expert_gate")
 
 
 def lora_targets(layer):
-    """The nn.Linear maps of a decoder layer that LoRA adapts (SPEC 4): attention and the dense or
-    shared-expert MLP. Routers are left out: a low-rank change to a router reroutes tokens between
-    experts the adapters never see. Routed experts are fused 3-D tensors in transformers >= 5 (not
-    nn.Linear) and stay frozen: their LoRA would be one adapter per expert, optional in the
-    paper."""
+    """The nn.Linear maps of a decoder layer that LoRA adapts (paper App. D): attention and the
+    dense or shared-expert MLP. Routers are left out: a low-rank change to a router reroutes tokens
+    between experts the adapters never see. Routed experts are fused 3-D tensors in
+    transformers >= 5 (not nn.Linear) and stay frozen: their LoRA would be one adapter per expert,
+    optional in the paper."""
     return [mod for name, mod in layer.named_modules()
             if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] not in _ROUTERS]
 
 
 # -----------------------------------------------------------------------------
-# Layer importance (SPEC 1)
+# Layer importance (paper Sec. 3.2)
 
 class _Recorder:
     """Records every decoder layer's call (args, kwargs) and output during one forward pass."""
@@ -204,16 +216,18 @@ class _Recorder:
 
 @torch.no_grad()
 def layer_importance(model, batches, method="kl", vocab=None, generator=None, chunk=1024):
-    """Per-layer importance s (float64, length L; larger = more important), SPEC 1.
+    """Per-layer importance s (float64, length L; larger = more important), paper Sec. 3.2.
 
     batches: iterable of (input_ids, attention_mask or None, weight) with weight 0 for the padding
-    batches that keep every FSDP rank running the same number of forwards. Pad positions never count.
-      kl:     s_l = mean_tokens KL(p_{-l} || p), p the full model, p_{-l} the model with layer l bypassed.
-              Prefix reuse: the input of layer l is the same in both models, so the skip-l run starts
-              there and calls only layers l+1..L-1 (about L^2/2 layer calls instead of L(L+1)).
-              The LM head and softmax run on `chunk` tokens at a time (_chunked_kl): peak memory
-              ~ chunk x V, not T x V.
-      bi:     ShortGPT's Block Influence, s_l = mean_tokens 1 - cos(x_l, x_{l+1}), read with hooks.
+    batches that keep every FSDP rank running the same number of forwards. Pad positions never
+    count.
+      kl:     s_l = mean_tokens KL(p_{-l} || p), p the full model, p_{-l} the model with layer l
+              bypassed. Prefix reuse: the input of layer l is the same in both models, so the
+              skip-l run starts there and calls only layers l+1..L-1 (about L^2/2 layer calls
+              instead of L(L+1)). The LM head and softmax run on `chunk` tokens at a time
+              (_chunked_kl): peak memory ~ chunk x V, not T x V.
+      bi:     ShortGPT's Block Influence, s_l = mean_tokens 1 - cos(x_l, x_{l+1}), read with
+              hooks.
       random: i.i.d. N(0, 1) scores from `generator`, for ablations.
     Under torchrun every rank calls this with its own share of batches; totals are all-reduced.
     """
@@ -243,7 +257,7 @@ def layer_importance(model, batches, method="kl", vocab=None, generator=None, ch
             total[L] += valid.sum()
     finally:
         rec.remove()
-    all_reduce_sum(total)
+    all_reduce_sum(total)  # one collective for the L sums and the count: exact token means
     return (total[:L] / total[L].clamp(min=1)).cpu()
 
 
@@ -260,7 +274,7 @@ def _batch_scores(model, layers, rec, method, h_full, vocab, chunk, valid):
         else:
             h_skip = _skip_layer_hidden(layers, rec, i)
             score = _chunked_kl(model, h_skip, h_full, vocab, chunk, logp_full)
-        sums.append((score.double() * valid).sum())
+        sums.append((score.double() * valid).sum())  # float64: summed over every batch
     return torch.stack(sums)
 
 
@@ -298,6 +312,7 @@ def _chunked_kl(model, h_skip, h_full, vocab, chunk, logp_full=None):
     q, p = h_skip.reshape(B * T, -1), h_full.reshape(B * T, -1)
     out = []
     for c in range(0, B * T, chunk):
+        # log p of this chunk, recomputed unless it was given for all tokens (see the docstring)
         logp = logp_full if logp_full is not None else _log_probs(model, p[c:c + chunk], vocab)
         logq = _log_probs(model, q[c:c + chunk], vocab)
         out.append((logq.exp() * (logq - logp)).sum(-1))
@@ -309,6 +324,7 @@ class root_unsharded:
     forward; calling the head directly needs it gathered first. A no-op without FSDP."""
 
     def __init__(self, model):
+        # duck-typed: FSDP2 adds unshard/reshard to the module's own class
         self.fsdp = hasattr(model, "unshard") and hasattr(model, "reshard")
         self.model = model
 
@@ -322,7 +338,8 @@ class root_unsharded:
 
 
 def protected_layers(L, n_first=1, n_last=1):
-    """Layers that are never pruned (the paper's ablation protects the first and the last)."""
+    """Layers that are never pruned (the paper's ablation protects the first and the
+    last)."""
     return sorted(set(range(n_first)) | set(range(L - n_last, L)))
 
 
@@ -334,7 +351,7 @@ def top_k_layers(scores, k, protected=()):
 
 
 # -----------------------------------------------------------------------------
-# Physical removal and export (SPEC 5)
+# Physical removal and export
 
 # Per-layer settings in the config. Removal renumbers the layers, so every setting keyed by a
 # layer's index is rewritten for the kept ones: lists with one value per layer are sliced, index
@@ -352,12 +369,15 @@ def layer_configs(config, L):
     """The config objects that describe these L decoder layers: the model's, or a multimodal
     wrapper's text_config (Gemma3), or both."""
     found = [config] + [v for v in vars(config).values() if hasattr(v, "num_hidden_layers")]
+    # a vision tower's config also has num_hidden_layers: only those with L describe these layers
     return [cfg for cfg in found if getattr(cfg, "num_hidden_layers", None) == L]
 
 
 def _is_index_list(key, value, L):
-    """A `*_layers` setting listing layer indices (Qwen-MoE mlp_only_layers, Llama-4 moe_layers)."""
+    """A `*_layers` setting listing layer indices (Qwen-MoE mlp_only_layers, Llama-4
+    moe_layers)."""
     return (key.endswith("_layers") and key not in _PER_LAYER and isinstance(value, (list, tuple))
+            # bool is an int subclass: a per-layer flag list is no index list
             and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < L for i in value)
             and len(set(value)) == len(value))
 
@@ -381,6 +401,7 @@ def _rewrite_layer_settings(cfg, keep, L):
     `keep`."""
     new_index = {i: j for j, i in enumerate(keep)}
     has = lambda key: isinstance(getattr(cfg, key, None), int)  # noqa: E731
+    # read the MoE layouts BEFORE the loop below rewrites the settings they are computed from
     qwen = _qwen_sparse_layers(cfg, L) if has("decoder_sparse_step") else None
     ernie = _ernie_sparse_layers(cfg, L) if has("moe_layer_interval") else None
     for key, value in list(vars(cfg).items()):
@@ -414,8 +435,8 @@ def _layer_signature(layer):
     for name, mod in layer.named_modules():
         sig[name] = type(mod).__name__
         for k, v in vars(mod).items():
-            if not k.startswith("_") and k not in _INDEX_NAMES + ("training",) \
-                    and (v is None or isinstance(v, (bool, int, float, str))):
+            if (not k.startswith("_") and k not in _INDEX_NAMES + ("training",)
+                    and (v is None or isinstance(v, (bool, int, float, str)))):
                 sig[f"{name}:{k}"] = v
     for name, t in [*layer.named_parameters(), *layer.named_buffers()]:
         sig[f"{name}:shape"] = tuple(t.shape)
@@ -424,7 +445,7 @@ def _layer_signature(layer):
 
 def _meta_layers(config):
     from transformers import AutoModelForCausalLM
-    with torch.device("meta"):
+    with torch.device("meta"):  # shapes and types only: no memory, no initialisation cost
         return decoder_layers(AutoModelForCausalLM.from_config(copy.deepcopy(config)))
 
 
@@ -454,15 +475,15 @@ def check_removable(config, kept=None):
     layer 0) and halve it (every other layer), which break any index rule left unrewritten."""
     L = config.get_text_config().num_hidden_layers
     for keep in [sorted(kept)] if kept is not None else [list(range(1, L)), list(range(0, L, 2))]:
-        if keep:
+        if keep:  # an empty probe (L = 1) has nothing to check
             pruned_config(config, keep)
 
 
 def remove_layers(model, keep):
-    """Keep only the decoder layers `keep` (original indices), in place, and make the model consistent:
-    the ModuleList, every attention module's layer_idx (the KV cache is indexed by it), every per-layer
-    setting of the config (pruned_config: `layer_types` sliced, MoE layouts rewritten), and
-    num_hidden_layers."""
+    """Keep only the decoder layers `keep` (original indices), in place, and make the model
+    consistent: the ModuleList, every attention module's layer_idx (the KV cache is indexed by it),
+    every per-layer setting of the config (pruned_config: `layer_types` sliced, MoE layouts
+    rewritten), and num_hidden_layers."""
     keep = sorted(keep)
     owner, attr = _layers_owner(model)
     layers = getattr(owner, attr)
@@ -471,8 +492,8 @@ def remove_layers(model, keep):
         raise ValueError(f"bad layer list {keep} for {L} layers")
     pruned_config(model.config, keep)  # raises before anything changes
     setattr(owner, attr, nn.ModuleList([layers[i] for i in keep]))
-    # the KV cache has k slots after the cut: a kept layer that still says layer_idx 27 would index past
-    # the end (or share a slot) once generate() runs with use_cache=True
+    # the KV cache has k slots after the cut: a kept layer that still says layer_idx 27 would index
+    # past the end (or share a slot) once generate() runs with use_cache=True
     for new_idx, layer in enumerate(getattr(owner, attr)):
         for m in layer.modules():
             if isinstance(getattr(m, "layer_idx", None), int):
@@ -484,12 +505,14 @@ def remove_layers(model, keep):
 
 
 def write_atomically(out_dir, write):
-    """Call write(tmp_dir), then rename tmp_dir to out_dir, so a crash never leaves a folder that looks
-    done. An existing out_dir (a resumed run re-exporting) is replaced only after the new one is complete."""
+    """Call write(tmp_dir), then rename tmp_dir to out_dir, so a crash never leaves a folder that
+    looks done. An existing out_dir (a resumed run re-exporting) is replaced only after the new one
+    is complete."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
+    # beside out_dir, so the rename stays on one filesystem; the pid keeps two exports apart
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier crash
     tmp.mkdir()
     write(tmp)
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
@@ -512,7 +535,7 @@ def export(model, tok, out_dir, keep, layers_before, info, source=None):
     checkpoint folder), its generation config, tokenizer files and chat template are copied over
     those written here."""
     L = layers_before
-    if len(decoder_layers(model)) == L:
+    if len(decoder_layers(model)) == L:  # still whole: export_pruned hands it in already cut
         remove_layers(model, keep)
     meta = {**info, "layers_before": L, "kept_layers": sorted(keep),
             "removed_layers": sorted(set(range(L)) - set(keep))}
@@ -520,6 +543,7 @@ def export(model, tok, out_dir, keep, layers_before, info, source=None):
     def write(tmp):
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
+        # a hub id is no folder: then the files saved just above are all there is
         for name in _SOURCE_FILES if source is not None and Path(source).is_dir() else ():
             if (Path(source) / name).exists():
                 shutil.copyfile(Path(source) / name, tmp / name)
