@@ -507,7 +507,7 @@ def output_paths(args, runs):
     logs = [log for _, log, _, _ in runs if log]
     if args.out:
         out = Path(args.out)
-    elif len(runs) == 1 and logs:  # one run: its report lives beside it
+    elif len(runs) == 1 and logs:  # a single run folder: the report goes inside it
         out = logs[0].parent / "eval"
     else:
         out = Path("out/eval")
