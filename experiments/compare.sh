@@ -30,8 +30,11 @@ elif [ "$1" = searches ]; then
   # KL top-k (8 generations x 16 children, 128 then 4,096 tokens: <= 86K forward tokens) and the random
   # control at the same forward-token budget; scored as the main table is (compare with its E3 and KL
   # one-shot rows: evaluate.py's numbers for a model do not depend on the other models it scores).
-  run evo    $P --search evo --loss akd
-  run random $P --search random --loss akd
+  # (the demo's search settings, spelled out: with --model given prune.py would take EvoPress's own,
+  # 32 children and 2048:2,32768:1 for r (L - r) / 1.5 = 133 generations, ~17M forward tokens)
+  E="--evo-generations 8 --evo-offspring 16 --evo-stages 128:2,4096:1"
+  run evo    $P $E --search evo --loss akd
+  run random $P $E --search random --loss akd
   python evaluate.py --model $R/evo $R/random \
     --no-speed --no-figures --seq-len 128 --max-tokens 16384 --out $R/searches
 elif [ "$1" = seeds ]; then
