@@ -38,7 +38,6 @@ over the ranks instead of copied to each (load_teacher): only rank 0 reads its w
 still runs its own batches.
 """
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -51,7 +50,6 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from torch.distributed.fsdp import FSDPModule
 from tqdm import tqdm
 
 from common import (E3Error, HelpFormatter, all_gather, default_corpus, init_distributed,

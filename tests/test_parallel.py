@@ -4,11 +4,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
-
-from test_prune import ROOT, assert_same_weights, run, tiny_args  # noqa: F401 (fixtures below)
+from test_prune import ROOT, assert_same_weights, tiny_args
 from test_prune import corpus, single_run  # noqa: F401
 
 AFTER_THE_CUT = r'''
