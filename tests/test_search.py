@@ -316,7 +316,8 @@ load_from_rank0(parallelize(model, device), state, rank, device)
 score = baselines.cache_score(model, TeacherCache(sys.argv[2], tok), micro_batch=2)
 out = baselines.evo_search(score, 10, 8, [0, 9], torch.Generator().manual_seed(0), generations=4,
                            offspring=4, stages=[(80, 2), (300, 1)])
-print("RESULT", rank, json.dumps(out), flush=True)
+# one file a rank: two ranks printing long lines into one pipe can interleave them
+open(f"{sys.argv[3]}/rank{rank}.json", "w").write(json.dumps(out))
 torch.distributed.destroy_process_group()
 """
 
@@ -336,12 +337,11 @@ def test_evo_search_on_two_fsdp_ranks_matches_one_process(planted, planted_cache
         port = str(sock.getsockname()[1])
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                 "--master_port", port]
-    proc = subprocess.run(launcher + [str(script), path, cache], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(launcher + [str(script), path, cache, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = [line.split(" ", 2) for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert sorted(r[1] for r in results) == ["0", "1"]
-    for _, _, text in results:
+    results = [(r, (tmp_path / f"rank{r}.json").read_text()) for r in ("0", "1")]
+    for _, text in results:
         two = json.loads(text)
         assert [h["kept"] for h in two["history"]] == [h["kept"] for h in one["history"]]
         assert two["forward_tokens"] == one["forward_tokens"]
