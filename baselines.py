@@ -36,7 +36,7 @@ from torch import nn
 import parallel
 from common import E3Error, all_reduce_sum, rank_and_world
 from kd import topk_kd_loss
-from sampler import expected_kept, hard_concrete, k_schedule, lagrangian
+from sampler import expected_kept, hard_concrete, k_schedule, lagrangian, score_lr_schedule
 from surgery import _layers_owner, layer_configs, remove_layers
 
 
@@ -342,14 +342,20 @@ class HardConcreteSearch:
         self.gen = torch.Generator().manual_seed(args.seed)  # the same draws on every rank
 
     def begin_step(self, t):
-        """The target kept count k'_t (E3's schedule) and this step's uniform noise u."""
+        """The target kept count k'_t (E3's schedule) and this step's uniform noise u (as for E3:
+        --masks-per-step N draws, global micro-batch j using draw j mod N; lr of S per
+        --score-lr-schedule)."""
         self.k_t = k_schedule(t, self.T_M, self.L, self.args.keep)
         # CPU generator, as for the Gumbel noise: one draw per step, shared by its micro-batches
-        self.noise = torch.rand(self.L, generator=self.gen)
+        self.noise = [torch.rand(self.L, generator=self.gen)
+                      for _ in range(self.args.masks_per_step)]
+        for group in self.opt.param_groups:
+            group["lr"] = score_lr_schedule(t, self.T_M, self.args)
 
-    def sample_mask(self):
+    def sample_mask(self, j=0):
         """z_l in [0, 1] per free layer (soft in the forward pass too); protected layers 1."""
-        z = hard_concrete(self.S[self.free], self.noise[self.free])
+        noise = self.noise[j % len(self.noise)]
+        z = hard_concrete(self.S[self.free], noise[self.free])
         index = (torch.tensor(self.free, device=self.S.device),)
         return torch.ones(self.L, device=self.S.device).index_put(index, z)
 

@@ -41,7 +41,7 @@ from cache_teacher import TeacherCache, build_cache
 from checkpoint import Run
 from common import E3Error, print0
 from kd import sft_loss, topk_kd_loss
-from sampler import gumbel_noise, gumbel_topk, k_schedule, tau_schedule
+from sampler import gumbel_noise, gumbel_topk, k_schedule, score_lr_schedule, tau_schedule
 from surgery import (LayerGates, check_removable, decoder_layers, export_pruned, layer_importance,
                      lora_targets, protected_layers, remove_layers, top_k_layers)
 
@@ -112,6 +112,23 @@ def parse_args(argv=None):
     g.add_argument("--random-candidates", type=int,
                    help="random: sets drawn, each scored on evo's last-stage tokens (default: as "
                         "many as evo's forward-token budget pays for)")
+    # variants of the search, for its ablations; every default is the paper's method
+    g = p.add_argument_group("stage 2 variants (ablations; the defaults are the paper's)")
+    g.add_argument("--masks-per-step", type=int, default=1,
+                   help="Gumbel draws a step: global micro-batch j runs draw j mod N, so dL/dS "
+                        "averages over N sub-networks; N divides batch-size / micro-batch (1)")
+    g.add_argument("--score-scale", type=float, default=1.0,
+                   help="S_0 = c x the importance: the scores' gaps against the Gumbel noise "
+                        "(sd 1.28) decide how often a draw departs from the top-k (1)")
+    g.add_argument("--score-lr-schedule", choices=["constant", "linear"], default="constant",
+                   help="lr of S over the search: constant, or linear from --score-lr to "
+                        "--score-lr / T_M (constant)")
+    g.add_argument("--search-loss", choices=["akd", "kd", "sft"],
+                   help="the loss of the search steps (weights and S); --loss after the cut "
+                        "(default: --loss)")
+    g.add_argument("--calib-data",
+                   help="corpus of the importance's --n-calib sequences (e.g. a folder mixing "
+                        "domains; default: --data, else the cache)")
     g = p.add_argument_group("training (Sec. 3.3, Appendix E)")
     g.add_argument("--loss", choices=["akd", "kd", "sft"], default="akd",
                    help="akd: entropy-weighted top-K KD, eq. 13 (paper); kd: eq. 12; "
@@ -156,6 +173,7 @@ def parse_args(argv=None):
         if getattr(a, key) is None and not (key == "seq_len" and a.cache):  # a cache sets seq-len
             setattr(a, key, value)
     a.lora_alpha = a.lora_alpha or 2.0 * a.lora_rank
+    a.search_loss = a.search_loss or a.loss
     return a
 
 
@@ -290,10 +308,11 @@ def rank_indices(step, args, n, rank, world):
 
 def calibration_batches(args, tok, cache, rank, world):
     """--n-calib sequences, this rank's share, padded with weight-0 batches so that every rank runs
-    the same number of forwards (FSDP's collectives must match). From --data if given, else the
-    cache."""
-    if args.data or cache is None:
-        seqs = data.train_blocks(tok, args.data, args.seq_len, args.n_calib, args.text_field)
+    the same number of forwards (FSDP's collectives must match). From --calib-data, else --data if
+    given, else the cache."""
+    if args.calib_data or args.data or cache is None:
+        seqs = data.train_blocks(tok, args.calib_data or args.data, args.seq_len, args.n_calib,
+                                 args.text_field)
     else:
         seqs = cache.get(list(range(min(args.n_calib, cache.len_split("train")))))["input_ids"]
     per_rank = math.ceil(len(seqs) / world)
@@ -358,7 +377,9 @@ def init_scores(args, model, tok, cache, L, rank, world):
     batches = calibration_batches(args, tok, cache, rank, world)
     gen = torch.Generator().manual_seed(args.seed)  # --init random: the same N(0, 1) on every rank
     vocab = common.vocab_size(tok)
-    return layer_importance(model, batches, args.init, vocab=vocab, generator=gen).float()
+    # --score-scale c: the same order, c times the gaps (against the Gumbel noise of the search)
+    return args.score_scale * layer_importance(model, batches, args.init, vocab=vocab,
+                                               generator=gen).float()
 
 
 def free_layers(L, protected):
@@ -393,19 +414,23 @@ class GumbelTopKSearch:
     def begin_step(self, t):
         """Alg. 1 l.2: tau_t = 1 - beta t / T_M, k'_t = L - ceil((L - k) t / T_M) (over the search,
         so k is reached when it ends); Alg. 2 l.1: one Gumbel draw g, shared by the step's
-        micro-batches."""
+        micro-batches (--masks-per-step N: N draws, global micro-batch j runs draw j mod N)."""
         self.tau = tau_schedule(t, self.T_M, self.args.beta)
         self.k_t = k_schedule(t, self.T_M, self.L, self.args.keep)
         # drawn here, once a step, not once a micro-batch: the step is one sample M of the law
-        self.noise = gumbel_noise((self.L,), self.gen)
+        # (or N samples, each behind 1/N of the batch: dL/dS then averages N sub-networks)
+        self.noise = [gumbel_noise((self.L,), self.gen) for _ in range(self.args.masks_per_step)]
+        for group in self.opt.param_groups:
+            group["lr"] = score_lr_schedule(t, self.T_M, self.args)
 
-    def sample_mask(self):
+    def sample_mask(self, j=0):
         """Alg. 1 l.4: M = Gumbel-TopK(S, tau_t, k'_t) over the unprotected layers (the protected
-        are 1 and count towards k'_t). Value: exactly 0/1; gradient: dM~/dS (straight-through,
-        eq. 7)."""
+        are 1 and count towards k'_t), for global micro-batch j. Value: exactly 0/1; gradient:
+        dM~/dS (straight-through, eq. 7)."""
         free = free_layers(self.L, self.protected)
         k_free = self.k_t - len(self.protected)  # k'_t counts the always-on protected layers
-        sub = gumbel_topk(self.S[free], k_free, self.tau, noise=self.noise[free])
+        noise = self.noise[j % len(self.noise)]
+        sub = gumbel_topk(self.S[free], k_free, self.tau, noise=noise[free])
         index = (torch.tensor(free, device=self.S.device),)
         # protected entries are a constant 1: their scores get no gradient and never move
         return torch.ones(self.L, device=self.S.device).index_put(index, sub)
@@ -604,6 +629,10 @@ def main(argv=None):
     if args.batch_size % (world * args.micro_batch):
         raise E3Error(f"--batch-size {args.batch_size} must be a multiple of ranks x --micro-batch "
                       f"({world} x {args.micro_batch})")
+    if (args.batch_size // args.micro_batch) % args.masks_per_step:
+        raise E3Error(f"--masks-per-step {args.masks_per_step} must divide the "
+                      f"{args.batch_size // args.micro_batch} micro-batches of a step "
+                      f"(--batch-size / --micro-batch): each draw gets the same share of the batch")
     args.out = args.out or f"runs/{Path(args.model).name}-keep{args.keep}"
     # the shape of the model from its config alone (meta device): every input is checked before
     # any work
@@ -699,14 +728,16 @@ def main(argv=None):
             # gradient accumulation: reduce-scatter over ranks only after the last micro-batch
             parallel.set_grad_sync(model, m == n_micro - 1)
             if phase == "search":
-                # Alg. 1 l.4: M = Gumbel-TopK(S, tau, k'). The same draw for every micro-batch,
-                # but the mask is rebuilt for each: every backward frees the graph from S to M~
-                gates.mask = search.sample_mask()
+                # Alg. 1 l.4: M = Gumbel-TopK(S, tau, k'). The same draw for every micro-batch
+                # (unless --masks-per-step), but the mask is rebuilt for each: every backward
+                # frees the graph from S to M~. j: this micro-batch's place in the global batch
+                gates.mask = search.sample_mask(rank * n_micro + m)
             rows = idx[m * args.micro_batch:(m + 1) * args.micro_batch]
             batch = to_device(cache.get(rows), device)
             # the objective is a MEAN over the global batch: each micro-batch's mean, / n_micro,
             # summed over micro-batches here and averaged over ranks by FSDP's reduce-scatter
-            loss = kd_loss(model, batch, args.loss, vocab, compute) / n_micro
+            kind = args.search_loss if phase == "search" else args.loss  # both akd by default
+            loss = kd_loss(model, batch, kind, vocab, compute) / n_micro
             loss.backward()  # one backward gives dL/dTheta AND dL/dS (through the gates)
             loss_sum += loss.detach()
         # every rank gets the same number, so every rank logs it and, below, raises together

@@ -68,6 +68,15 @@ def k_schedule(t, search_steps, L, k):
     return L - math.ceil((L - k) * t / search_steps)
 
 
+def score_lr_schedule(t, search_steps, args):
+    """The scores' lr at search step t: --score-lr throughout (paper: the lr of S is not given), or
+    (--score-lr-schedule linear) lr_S (T_M - t + 1) / T_M, from lr_S down to lr_S / T_M: large
+    moves while tau is high and k'_t large, small ones once the draws have settled."""
+    if args.score_lr_schedule == "linear":
+        return args.score_lr * (search_steps - t + 1) / search_steps
+    return args.score_lr
+
+
 # -----------------------------------------------------------------------------
 # Baseline: Sheared-LLaMA's hard-concrete layer masks (Louizos et al. 2018; Xia et al. 2024),
 # restricted to whole layers as the paper's comparison does. Unlike Gumbel-TopK the mask is soft in

@@ -101,16 +101,17 @@ def rank_main(argv):
     common.run_main(lambda: prune.main(argv))
 
 
-def random_llama(path):
-    """A random ~108M-parameter Llama (10 layers, 768 wide, SmolLM2's 49K vocabulary, tied
-    embeddings)."""
+def random_llama(path, tied=True):
+    """A random Llama, 10 layers, 768 wide, SmolLM2's 49K vocabulary: 108.5M parameters with tied
+    embeddings (SmolLM2's, Qwen's small models' layout), 146.3M with a separate LM head (Llama-2's,
+    the headline model's)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     sys.path.insert(0, str(ROOT))
     import common
     cfg = LlamaConfig(vocab_size=49152, hidden_size=768, intermediate_size=2048,
                       num_hidden_layers=10, num_attention_heads=12, num_key_value_heads=12,
-                      tie_word_embeddings=True)
+                      tie_word_embeddings=tied)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(path)
     AutoTokenizer.from_pretrained(common.default_model()).save_pretrained(path)
@@ -154,13 +155,15 @@ def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint folder (default: a random ~108M Llama)")
+    p.add_argument("--untied", action="store_true",
+                   help="the random Llama with a separate LM head (146M; Llama-2's layout)")
     p.add_argument("--nproc", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--json", help="also write the table here")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = a.model or str(Path(tmp) / "llama")
         if a.model is None:
-            random_llama(model)
+            random_llama(model, tied=not a.untied)
         sys.path.insert(0, str(ROOT))
         from safetensors import safe_open
         params = 0

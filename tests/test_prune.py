@@ -381,3 +381,95 @@ def test_given_layers_on_two_ranks_match_one_process(make_tiny, corpus, tmp_path
     trained = weights(one)
     assert not torch.equal(trained["model.norm.weight"], source["model.norm.weight"])  # the root trains
     assert_same_weights(one, two, atol=1e-4)
+
+
+# -----------------------------------------------------------------------------
+# The search's variants (issue 17's ablation flags): each changes exactly what it says
+
+
+def test_masks_per_step_gives_each_draw_its_share_of_the_micro_batches(make_tiny, corpus, tmp_path, monkeypatch):
+    """--masks-per-step 2 with 4 micro-batches a step: micro-batches 0 and 2 run one mask, 1 and 3 another,
+    each a valid k'_t subset with the protected layers on; the first draw is the draw of the one-mask run
+    (the generator's stream is unchanged). Scores all equal (--score-scale 0): the draws differ by chance alone."""
+    import common
+    import prune
+    import surgery
+    monkeypatch.setattr(common, "TEACHER_CACHE_DIR", tmp_path / "teacher")
+    masks = []
+
+    class Recording(surgery.LayerGates):  # every mask the loop puts on the gates, in order
+        @property
+        def mask(self):
+            return self._mask
+
+        @mask.setter
+        def mask(self, value):
+            self._mask = value
+            if value is not None and torch.is_grad_enabled():
+                masks.append(value.detach().tolist())
+    monkeypatch.setattr(prune, "LayerGates", Recording)
+    model = make_tiny("llama", L)
+    common_flags = ("--score-scale", "0", "--score-lr", "0", "--lr", "0", "--steps", "4", "--search-frac", "1",
+                    "--eval-every", "100")
+    runs = {}
+    for n in (1, 2):
+        masks.clear()
+        prune.main(tiny_args(model, corpus, tmp_path / f"n{n}", *common_flags, "--masks-per-step", str(n)))
+        runs[n] = [masks[4 * s:4 * s + 4] for s in range(4)]  # 4 micro-batches a step (search steps only)
+        assert len(masks) == 16
+    differ = 0
+    for t, (one, two) in enumerate(zip(runs[1], runs[2]), 1):
+        k_t = L - -(-(L - K) * t // 4)  # k'_t = L - ceil((L - k) t / T_M), T_M = 4
+        assert one == [one[0]] * 4  # one draw a step: every micro-batch runs it
+        assert two[0] == two[2] and two[1] == two[3]
+        for m in two:
+            assert sum(m) == k_t and m[0] == m[-1] == 1.0 and set(m) <= {0.0, 1.0}
+        differ += two[0] != two[1]
+    assert runs[2][0][0] == runs[1][0][0]  # step 1: the first of two draws is the one-mask run's draw
+    assert differ >= 2  # 4 steps of 2 draws of 2-3 of 4 free layers: equal every time with p < 1e-2
+
+    with pytest.raises(common.E3Error, match="masks-per-step"):  # 4 micro-batches do not split in 3
+        prune.main(tiny_args(model, corpus, tmp_path / "n3", "--masks-per-step", "3"))
+
+
+def test_score_scale_lr_schedule_search_loss_and_calib_data(single_run, make_tiny, corpus, tmp_path, monkeypatch):
+    """--score-scale 3: S_0 is 3 x the importance of the plain run (its log). --score-lr-schedule linear: Adam
+    steps S at 0.2, 0.15, 0.1, 0.05 (lr_S (T_M - t + 1) / T_M, T_M = 4, written out). --search-loss sft: the
+    search's micro-batches use next-token CE, the fine-tune's AKD. --calib-data: the importance is that of a
+    run whose --data is that file."""
+    import common
+    import prune
+    monkeypatch.setattr(common, "TEACHER_CACHE_DIR", tmp_path / "teacher")
+    kinds, score_lrs = [], []
+    kd_loss, adam_step = prune.kd_loss, torch.optim.Adam.step
+
+    def recording_kd_loss(model, batch, kind, *a, **k):
+        if torch.is_grad_enabled():
+            kinds.append(kind)
+        return kd_loss(model, batch, kind, *a, **k)
+
+    def recording_step(self, *a, **k):
+        if len(self.param_groups[0]["params"]) == 1 and self.param_groups[0]["params"][0].numel() == L:
+            score_lrs.append(self.param_groups[0]["lr"])  # the scores' Adam (the weights' is AdamW)
+        return adam_step(self, *a, **k)
+    monkeypatch.setattr(prune, "kd_loss", recording_kd_loss)
+    monkeypatch.setattr(torch.optim.Adam, "step", recording_step)
+    model = make_tiny("llama", L)
+    out = tmp_path / "variants"
+    prune.main(tiny_args(model, corpus, out, "--score-scale", "3", "--score-lr-schedule", "linear",
+                         "--search-loss", "sft"))
+    plain = events(single_run, "importance")[0]["scores"]
+    assert events(out, "importance")[0]["scores"] == pytest.approx([3 * s for s in plain], rel=1e-5)
+    assert score_lrs == pytest.approx([0.2, 0.15, 0.1, 0.05])
+    assert kinds == ["sft"] * 16 + ["akd"] * 16  # 4 search steps, then 4 fine-tune steps, 4 micro-batches
+
+    # another text for the calibration only: the importance of a run trained on that text
+    other = tmp_path / "other.txt"
+    plays = sorted(Path(common.default_corpus()).rglob("*.md"))
+    other.write_text(plays[1].read_text()[:60_000])
+    short = ("--steps", "1", "--search", "none")
+    prune.main(tiny_args(model, corpus, tmp_path / "calib", *short, "--calib-data", str(other)))
+    prune.main(tiny_args(model, str(other), tmp_path / "data", *short))
+    calib = events(tmp_path / "calib", "importance")[0]["scores"]
+    assert calib == pytest.approx(events(tmp_path / "data", "importance")[0]["scores"], rel=1e-6)
+    assert calib != pytest.approx(plain, rel=1e-3)

@@ -1,0 +1,123 @@
+"""
+The seed series' bookkeeping (experiments/compare.sh seeds): one small JSON per finished run, kept in
+the repository (experiments/results/), so that the series survives the machine it ran on and goes
+on, later and elsewhere, where it stopped; and the tables made from them.
+
+  python experiments/seeds.py record RUN_DIR METHOD SEED OUT.json EVAL.json [EVAL.json ...]
+  python experiments/seeds.py table [RESULTS_DIR]        # markdown: mean +- sd, min-max, paired
+
+Statistics, per method and held-out corpus, over the seeds that finished:
+  mean +- sd   the sample standard deviation (n - 1); a method with one run shows its value alone
+  min-max      the range over seeds
+  paired       E3 (AKD) minus KL one-shot + AKD, seed by seed (the same data order and teacher
+               cache): mean +- sd of the differences, and how many seeds E3 won. A method beats
+               another "by more than one sd" when the mean difference exceeds the sd of the
+               differences (the issue's bar, not a significance test).
+"""
+import json
+import math
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# the order of the table; a method not run yet is left out
+METHODS = ["shortgpt", "minitron", "sheared", "kl-oneshot", "random", "evo", "e3-kd", "e3-akd"]
+LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitron-style (BI + KD)",
+          "sheared": "Sheared-style (L0 + KD)", "kl-oneshot": "KL one-shot + AKD",
+          "random": "random search + AKD", "evo": "evolutionary search + AKD",
+          "e3-kd": "E3 (KD)", "e3-akd": "E3 (AKD)"}
+PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("e3-akd", "evo")]
+
+
+def record(run_dir, method, seed, out, *evals):
+    """One run's numbers: its layer set, its budget and, per held-out corpus, ppl / KL / top-1."""
+    run_dir = Path(run_dir)
+    info = json.loads((run_dir / "model" / "pruning.json").read_text())
+    done = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()
+            if '"done"' in line]
+    res = {"method": method, "seed": int(seed), "kept_layers": info.get("kept_layers"),
+           "layers_before": info.get("layers_before"),
+           "tokens_trained": info.get("tokens_trained"),
+           "search_forward_tokens": info.get("search_forward_tokens", 0),
+           "minutes": done[-1].get("minutes") if done else None, "flags": info.get("flags"),
+           "python": platform.python_version(), "torch": torch.__version__, "corpora": {}}
+    for path in evals:
+        rep = json.loads(Path(path).read_text())
+        corpus = Path(path).stem.split("eval-", 1)[-1]
+        q = rep["rows"][0]["quality"]
+        res["corpora"][corpus] = {k: q[k] for k in ("ppl", "kl", "top1", "teacher_ppl", "tokens")
+                                  if k in q}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(res, indent=1) + "\n")
+    return res
+
+
+def load(results_dir=RESULTS):
+    runs = [json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("*.json"))]
+    by = {}
+    for r in runs:
+        by.setdefault(r["method"], {})[r["seed"]] = r
+    return by
+
+
+def stats(xs):
+    sd = statistics.stdev(xs) if len(xs) > 1 else float("nan")
+    return statistics.mean(xs), sd, min(xs), max(xs)
+
+
+def fmt(xs, spec=".1f"):
+    m, sd, lo, hi = stats(xs)
+    if len(xs) == 1:
+        return f"{m:{spec}} (1 seed)"
+    return f"{m:{spec}} ± {sd:{spec}} ({lo:{spec}}-{hi:{spec}})"
+
+
+def table(results_dir=RESULTS):
+    by = load(results_dir)
+    corpora = sorted({c for m in by.values() for r in m.values() for c in r["corpora"]},
+                     key=lambda c: (c != "shakespeare", c))
+    lines = ["| method | seeds | " + " | ".join(f"{c} ppl" for c in corpora) + " | "
+             + " | ".join(f"{c} KL" for c in corpora) + " |",
+             "|---|---|" + "---|" * (2 * len(corpora))]
+    for m in [m for m in METHODS if m in by] + sorted(set(by) - set(METHODS)):
+        runs = [by[m][s] for s in sorted(by[m])]
+        cells = [fmt([r["corpora"][c]["ppl"] for r in runs if c in r["corpora"]])
+                 for c in corpora]
+        cells += [fmt([r["corpora"][c]["kl"] for r in runs if c in r["corpora"]], ".3f")
+                  for c in corpora]
+        lines.append(f"| {LABELS.get(m, m)} | {','.join(map(str, sorted(by[m])))} | "
+                     + " | ".join(cells) + " |")
+    lines += ["", "Paired by seed (held-out ppl of the first minus the second; negative: the first "
+              "is better):", "", "| pair | seeds | " + " | ".join(corpora) + " |",
+              "|---|---|" + "---|" * len(corpora)]
+    for a, b in PAIRS:
+        seeds = sorted(set(by.get(a, {})) & set(by.get(b, {})))
+        if not seeds:
+            continue
+        cells = []
+        for c in corpora:
+            d = [by[a][s]["corpora"][c]["ppl"] - by[b][s]["corpora"][c]["ppl"] for s in seeds]
+            m, sd, _, _ = stats(d)
+            wins = sum(x < 0 for x in d)
+            sd_txt = "" if math.isnan(sd) else f" ± {sd:.1f}"
+            cells.append(f"{m:+.1f}{sd_txt} ({a} better on {wins}/{len(d)})")
+        lines.append(f"| {a} - {b} | {','.join(map(str, seeds))} | " + " | ".join(cells) + " |")
+    layer_sets = ["", "Layer sets removed, by seed:", ""]
+    for m in [m for m in METHODS if m in by]:
+        for s in sorted(by[m]):
+            kept, L = by[m][s]["kept_layers"] or [], by[m][s]["layers_before"] or 0
+            removed = [i for i in range(L) if i not in kept]
+            layer_sets.append(f"- {m} seed {s}: {removed}")
+    return "\n".join(lines + layer_sets)
+
+
+if __name__ == "__main__":
+    cmd, *rest = sys.argv[1:] or ["table"]
+    if cmd == "record":
+        print(json.dumps(record(*rest), indent=1))
+    else:
+        print(table(*rest))
