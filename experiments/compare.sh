@@ -9,6 +9,7 @@
 #   bash experiments/compare.sh seeds      # seeds 1 and 2 of the three closest methods (seed 0: main)
 #   bash experiments/compare.sh searches   # the evolutionary search and the random control, then AKD
 #   bash experiments/compare.sh series     # every method over seeds 0-4, scored on three corpora
+#   bash experiments/compare.sh variants   # the search's variants (ablation flags), seed 0, as series
 #   bash experiments/compare.sh table      # the series' table from experiments/results/
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +25,7 @@ P="--model $M --seq-len 128 --batch-size 8 --micro-batch 4 --tokens 81920 --warm
 # evolution from the KL top-k, 8 generations x 16 children, 128 then 4,096 tokens (<= 86K forward
 # tokens), and the random control at the same forward-token budget.
 E="--evo-generations 8 --evo-offspring 16 --evo-stages 128:2,4096:1"
+D=$R/domains  # the other domains' held-out text and the mixed calibration text (experiments/domains.py)
 declare -A METHOD=(
   [shortgpt]="--init bi --search none --steps 0"
   [minitron]="--init bi --search none --loss kd"
@@ -33,6 +35,16 @@ declare -A METHOD=(
   [e3-akd]="--loss akd"
   [evo]="$E --search evo --loss akd"
   [random]="$E --search random --loss akd"
+  # E3's variants (prune.py's "stage 2 variants"), each one change to E3 (AKD): is the 8-step search
+  # too noisy (several masks a step, larger score gaps against the Gumbel noise), too slow or too
+  # fast (score-lr schedule), driven by the wrong loss, or calibrated on too narrow a text?
+  [e3-masks2]="--loss akd --masks-per-step 2"
+  [e3-masks8]="--loss akd --micro-batch 1 --masks-per-step 8"
+  [e3-scale4]="--loss akd --score-scale 4"
+  [e3-lr-linear]="--loss akd --score-lr 0.2 --score-lr-schedule linear"
+  [e3-search-kd]="--loss akd --search-loss kd"
+  [e3-calib-mix]="--loss akd --calib-data $D/calib-mix.jsonl"
+  [kl-calib-mix]="--init kl --search none --loss akd --calib-data $D/calib-mix.jsonl"
 )
 if [ "${1:-main}" = main ]; then
   for m in shortgpt minitron sheared kl-oneshot e3-kd e3-akd; do run $m $P ${METHOD[$m]}; done
@@ -54,7 +66,7 @@ elif [ "$1" = seeds ]; then
   done
   python evaluate.py --model $R/kl-oneshot-seed1 $R/kl-oneshot-seed2 $R/e3-kd-seed1 $R/e3-kd-seed2 \
     $R/e3-akd-seed1 $R/e3-akd-seed2 --no-speed --no-figures --seq-len 128 --max-tokens 16384 --out $R/seeds
-elif [ "$1" = series ] || [ "$1" = table ]; then
+elif [ "$1" = series ] || [ "$1" = variants ] || [ "$1" = table ]; then
   # Every method over seeds 0-4 (SEEDS), scored on the held-out end of the training corpus and on two
   # other domains (experiments/domains.py: the Python reference manual, torch's nn/modules source).
   # The seed sets the data order and every random draw (Gumbel noise, mutations, random subsets);
@@ -63,7 +75,7 @@ elif [ "$1" = series ] || [ "$1" = table ]; then
   # series skips those, so it goes on later, on another machine, where it stopped. JOBS=2 runs two
   # at a time, one thread each (the first run builds the teacher cache alone).
   [ "$1" = table ] && { python experiments/seeds.py table; exit; }
-  D=$R/domains; [ -f $D/domains.json ] || python experiments/domains.py $D > /dev/null
+  [ -f $D/domains.json ] || python experiments/domains.py $D > /dev/null
   series_run() {  # METHOD SEED: train, score on the three corpora, record
     local m=$1 s=$2 name=$1-s$2; local out=experiments/results/$name.json
     [ -f "$out" ] && return
@@ -77,10 +89,17 @@ elif [ "$1" = series ] || [ "$1" = table ]; then
     echo "$(date +%H:%M) $name: $(python -c "import json, sys; r = json.load(open(sys.argv[1]))
 print({c: round(v['ppl'], 2) for c, v in r['corpora'].items()})" $out)"
   }
-  order=(); for s in ${SEEDS:-0 1 2 3 4}; do for m in ${METHODS:-kl-oneshot e3-akd evo random \
-      minitron e3-kd sheared}; do order+=("$m $s"); done; done
-  # ShortGPT trains nothing, so it cannot be the run that builds the cache
-  [ -z "${METHODS:-}" ] && order=("${order[0]}" "shortgpt 0" "${order[@]:1}")
+  # the paired comparison first (E3 and KL one-shot, seed by seed), then the searches, then the rest
+  order=()
+  add() { for s in ${SEEDS:-0 1 2 3 4}; do for m in $@; do order+=("$m $s"); done; done; }
+  if [ -n "${METHODS:-}" ]; then add $METHODS
+  elif [ "$1" = variants ]; then SEEDS=${SEEDS:-0} add e3-masks2 e3-masks8 e3-scale4 e3-lr-linear \
+    e3-search-kd e3-calib-mix kl-calib-mix
+  else
+    add kl-oneshot e3-akd; add evo random; add minitron e3-kd sheared
+    # ShortGPT trains nothing, so it cannot be the run that builds the cache
+    order=("${order[0]}" "shortgpt 0" "${order[@]:1}")
+  fi
   series_run ${order[0]}  # alone: it builds the teacher cache every later run reads
   for job in "${order[@]:1}"; do
     if [ "${JOBS:-1}" -gt 1 ]; then

@@ -1,14 +1,21 @@
 """
 Held-out text of two other domains than the training corpus (Shakespeare), from files every
-install of this project already has, so that they need no download:
+install of this project already has (no download):
 
-  python-docs   technical English: the Python language reference's topics as shipped with the
-                interpreter (pydoc_data/topics.py, the text behind `help("if")`), one topic a document
+  python-docs   technical English: the Python language reference's topics as the interpreter
+                ships them (pydoc_data/topics.py, the text of `help("if")`), one topic a document
   torch-code    source code: the Python files of torch/nn/modules in the pinned torch
                 (requirements.txt), one file a document
 
-  python experiments/domains.py runs/domains   # writes python-docs.jsonl, torch-code.jsonl, and
-                                                # domains.json (sizes, sha256, versions)
+  calib-mix     calibration text of three domains, disjoint from what evaluate.py scores: the
+                LAST 4 reference topics and LAST 4 torch/nn/modules files (evaluate.py scores the
+                first 16K tokens of each) and 4 Shakespeare excerpts (training text), each cut to
+                2,500 characters and interleaved, so that the importance's first 16 x 128 tokens
+                (--n-calib 16 --seq-len 128) see all three: prune.py --calib-data
+
+  python experiments/domains.py runs/domains   # writes python-docs.jsonl, torch-code.jsonl,
+                                                # calib-mix.jsonl and domains.json (sizes, sha256,
+                                                # versions)
 
 Both are written as .jsonl (one document a line, the "text" field) in a fixed order; evaluate.py
 scores them with `--data FILE --val-frac 1` (the first --max-tokens tokens of the whole file). The
@@ -23,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, for calib_mix
+
 
 def python_docs():
     from pydoc_data.topics import topics  # the interpreter's own reference manual
@@ -34,7 +43,15 @@ def torch_code():
     return [p.read_text(encoding="utf-8") for p in sorted(root.glob("*.py"))]
 
 
-DOMAINS = {"python-docs": python_docs, "torch-code": torch_code}
+def calib_mix(n=4, chars=2500):
+    import common  # the packaged plays: the training corpus's text
+    plays = sorted(Path(common.default_corpus()).rglob("*.md"))[:n]
+    verse = [p.read_text(encoding="utf-8")[10_000:10_000 + chars] for p in plays]
+    groups = [python_docs()[-n:], torch_code()[-n:], verse]
+    return [doc[:chars] for docs in zip(*groups) for doc in docs]  # docs, code, verse, docs, ...
+
+
+DOMAINS = {"python-docs": python_docs, "torch-code": torch_code, "calib-mix": calib_mix}
 
 
 def write(out):

@@ -1,7 +1,7 @@
 """
-The seed series' bookkeeping (experiments/compare.sh seeds): one small JSON per finished run, kept in
-the repository (experiments/results/), so that the series survives the machine it ran on and goes
-on, later and elsewhere, where it stopped; and the tables made from them.
+The seed series' bookkeeping (experiments/compare.sh series): one small JSON per finished run,
+kept in the repository (experiments/results/), so that the series survives the machine it ran on
+and goes on, later and elsewhere, where it stopped; and the tables made from them.
 
   python experiments/seeds.py record RUN_DIR METHOD SEED OUT.json EVAL.json [EVAL.json ...]
   python experiments/seeds.py table [RESULTS_DIR]        # markdown: mean +- sd, min-max, paired
@@ -25,11 +25,18 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # the order of the table; a method not run yet is left out
-METHODS = ["shortgpt", "minitron", "sheared", "kl-oneshot", "random", "evo", "e3-kd", "e3-akd"]
+METHODS = ["shortgpt", "minitron", "sheared", "kl-oneshot", "random", "evo", "e3-kd", "e3-akd",
+           "e3-masks2", "e3-masks8", "e3-scale4", "e3-lr-linear", "e3-search-kd", "e3-calib-mix",
+           "kl-calib-mix"]
 LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitron-style (BI + KD)",
           "sheared": "Sheared-style (L0 + KD)", "kl-oneshot": "KL one-shot + AKD",
           "random": "random search + AKD", "evo": "evolutionary search + AKD",
-          "e3-kd": "E3 (KD)", "e3-akd": "E3 (AKD)"}
+          "e3-kd": "E3 (KD)", "e3-akd": "E3 (AKD)",
+          "e3-masks2": "E3 (AKD), 2 masks a step", "e3-masks8": "E3 (AKD), 8 masks a step",
+          "e3-scale4": "E3 (AKD), S_0 = 4 x KL", "e3-lr-linear": "E3 (AKD), score lr 0.2 -> 0.025",
+          "e3-search-kd": "E3 (AKD), KD drives the search",
+          "e3-calib-mix": "E3 (AKD), mixed-domain calibration",
+          "kl-calib-mix": "KL one-shot + AKD, mixed-domain calibration"}
 PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("e3-akd", "evo")]
 
 
