@@ -464,22 +464,28 @@ def layer_set_search(args, model, cache, S0, L, protected, run):
                       f"--cache or train (--steps > 0)")
     score = baselines.cache_score(model, cache, args.micro_batch)
     gen = torch.Generator().manual_seed(args.seed)
-    stages = baselines.parse_stages(args.evo_stages)
-    r = L - args.keep  # EvoPress's generations for depth pruning: r (L - r) / 1.5
-    generations = args.evo_generations or max(1, round(r * (L - r) / 1.5))
+    generations, stages, budget = evo_settings(args, L)
     log = lambda entry: run.log(event="layer_search", method=args.search, **entry)  # noqa: E731
     if args.search == "evo":
         init = top_k_layers(S0, args.keep, protected)  # the first parent: the top-k of S_0
         found = baselines.evo_search(score, L, args.keep, protected, gen, generations,
                                      args.evo_offspring, stages, init=init, log=log)
     else:  # the control: as many random sets as evo's forward tokens pay for, on its last stage
-        budget = baselines.evo_budget(generations, args.evo_offspring, stages)
         n = args.random_candidates or max(1, budget // stages[-1][0])
         found = baselines.random_search(score, L, args.keep, protected, gen, n, stages[-1][0],
                                         log=log)
     print0(f"{args.search} search: kept {found['kept']}, fitness {found['fitness']:.4f}, "
            f"{found['forward_tokens']:,} forward tokens")
     return torch.zeros(L).index_fill_(0, torch.tensor(found["kept"]), 1.0), found["forward_tokens"]
+
+
+def evo_settings(args, L):
+    """(generations, stages, the most forward tokens evo can spend): EvoPress's generations for
+    depth pruning, r (L - r) / 1.5 with r layers removed, unless --evo-generations."""
+    r = L - args.keep
+    generations = args.evo_generations or max(1, round(r * (L - r) / 1.5))
+    stages = baselines.parse_stages(args.evo_stages)
+    return generations, stages, baselines.evo_budget(generations, args.evo_offspring, stages)
 
 
 def make_search(scores, args, L, T_M, protected, device):
@@ -566,6 +572,11 @@ def plan_line(args, world, L, mem, cache_bytes=None, train_tokens=None):
              f"{mem['params'] / 1e6:,.1f}M params ({mem['trainable'] / 1e6:,.1f}M trainable)",
              f"weights+grads+Adam {mem['gb_search']:.3g} GB/rank in the search, "
              f"{mem['gb_finetune']:.3g} GB/rank after the cut ({L} -> {args.keep} layers)"]
+    if args.search in ("evo", "random"):  # the search's forward tokens, beside the training's
+        generations, _, budget = evo_settings(args, L)
+        parts.append(f"{args.search} search <= {budget:,} forward tokens (evo's budget: "
+                     f"{generations} generations x {args.evo_offspring} children, stages "
+                     f"{args.evo_stages})")
     if cache_bytes is not None:  # ~46 B/token (K = 10, uint16 ids)
         parts.append(f"cache {cache_bytes / 1e9:.3g} GB on disk")
     if train_tokens:
@@ -683,6 +694,8 @@ def main(argv=None):
     search = make_search(S0, args, L, T_M, protected, device)
     if resumed is not None:
         search.load_state_dict(resumed["search"])
+        if resumed.get("search_forward_tokens"):  # an evo/random search spent them before
+            summary["search_forward_tokens"] = resumed["search_forward_tokens"]
     elif args.search in ("evo", "random"):  # a baseline's layer set, chosen before any training
         chosen, forward_tokens = layer_set_search(args, model, cache, S0, L, protected, run)
         summary["search_forward_tokens"] = forward_tokens
@@ -787,7 +800,8 @@ def main(argv=None):
             # Gumbel generator and torch's RNG, so the resumed run draws what this one would
             run.save(t, model, opt, {"phase": phase, "kept": kept, "init_scores": S0,
                                      "search": search.state_dict(),
-                                     "torch_rng": torch.get_rng_state()})
+                                     "torch_rng": torch.get_rng_state(),
+                                     "search_forward_tokens": summary.get("search_forward_tokens")})
     # -------------------------- TRAINING SECTION END --------------------------
 
     # T_M = 0 was cut before the loop and T_M <= T inside it: only a search longer than the run

@@ -90,6 +90,10 @@ def table(results_dir=RESULTS):
     lines = ["| method | seeds | " + " | ".join(f"{c} ppl" for c in corpora) + " | "
              + " | ".join(f"{c} KL" for c in corpora) + " |",
              "|---|---|" + "---|" * (2 * len(corpora))]
+    any_run = next(r for m in by.values() for r in m.values())  # every run has the same teacher
+    lines.append("| dense teacher (30 layers) | | " + " | ".join(
+        f"{any_run['corpora'][c]['teacher_ppl']:.1f}" if c in any_run["corpora"] else ""
+        for c in corpora) + " |" + " 0 |" * len(corpora))
     for m in [m for m in METHODS if m in by] + sorted(set(by) - set(METHODS)):
         runs = [by[m][s] for s in sorted(by[m])]
         cells = [fmt([r["corpora"][c]["ppl"] for r in runs if c in r["corpora"]])
@@ -98,9 +102,7 @@ def table(results_dir=RESULTS):
                   for c in corpora]
         lines.append(f"| {LABELS.get(m, m)} | {','.join(map(str, sorted(by[m])))} | "
                      + " | ".join(cells) + " |")
-    lines += ["", "Paired by seed (held-out ppl of the first minus the second; negative: the first "
-              "is better):", "", "| pair | seeds | " + " | ".join(corpora) + " |",
-              "|---|---|" + "---|" * len(corpora)]
+    paired = []
     for a, b in PAIRS:
         seeds = sorted(set(by.get(a, {})) & set(by.get(b, {})))
         if not seeds:
@@ -112,7 +114,11 @@ def table(results_dir=RESULTS):
             wins = sum(x < 0 for x in d)
             sd_txt = "" if math.isnan(sd) else f" ± {sd:.1f}"
             cells.append(f"{m:+.1f}{sd_txt} ({a} better on {wins}/{len(d)})")
-        lines.append(f"| {a} - {b} | {','.join(map(str, seeds))} | " + " | ".join(cells) + " |")
+        paired.append(f"| {a} - {b} | {','.join(map(str, seeds))} | " + " | ".join(cells) + " |")
+    if paired:
+        lines += ["", "Paired by seed (held-out ppl of the first minus the second; negative: the "
+                  "first is better):", "", "| pair | seeds | " + " | ".join(corpora) + " |",
+                  "|---|---|" + "---|" * len(corpora), *paired]
     layer_sets = ["", "Layer sets removed, by seed:", ""]
     for m in [m for m in METHODS if m in by]:
         for s in sorted(by[m]):
