@@ -73,12 +73,15 @@ elif [ "$1" = series ] || [ "$1" = variants ] || [ "$1" = table ]; then
   # the teacher cache and the KL/BI scores are the same for every seed, and ShortGPT (no training,
   # no draws) is one run. Each finished run leaves experiments/results/NAME.json (kept in git): the
   # series skips those, so it goes on later, on another machine, where it stopped. JOBS=2 runs two
-  # at a time, one thread each (the first run builds the teacher cache alone).
+  # at a time, one thread each (the first run builds the teacher cache alone); METHODS="a b" and
+  # SEEDS="1 2" pick runs, and drivers started side by side share the queue (each run is claimed).
   [ "$1" = table ] && { python experiments/seeds.py table; exit; }
   [ -f $D/domains.json ] || python experiments/domains.py $D > /dev/null
   series_run() {  # METHOD SEED: train, score on the three corpora, record
     local m=$1 s=$2 name=$1-s$2; local out=experiments/results/$name.json
     [ -f "$out" ] && return
+    # claimed by a mkdir (atomic): several drivers can share the queue (after a kill: rm -r $R/claims)
+    mkdir -p $R/claims; mkdir $R/claims/$name 2> /dev/null || return 0
     run $name $P ${METHOD[$m]} --seed $s > "$R/$name.out" 2>&1
     for c in shakespeare python-docs torch-code; do
       local data=""; [ $c = shakespeare ] || data="--data $D/$c.jsonl --val-frac 1"
