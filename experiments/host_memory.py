@@ -17,6 +17,8 @@ ends):
 
     python experiments/host_memory.py                      # random ~108M Llama, 1, 2 and 4 ranks
     python experiments/host_memory.py --nproc 2 --model DIR
+    python experiments/host_memory.py --nproc 1 --profile  # + torch.profiler's allocations of the
+                                                           # second search step, largest first
 
 The goal it checks (issue 14): every phase's per-rank peak <= import + 16 B/param / ranks + 0.5 GB.
 """
@@ -52,7 +54,7 @@ def rank_main(argv):
     """Inside each torchrun rank: prune.main with every phase wrapped, peaks appended to a JSON
     file."""
     sys.path.insert(0, str(ROOT))
-    import torch  # noqa: F401 (the import floor)
+    import torch  # the import floor; and the profiler below
     import transformers  # noqa: F401
     import checkpoint
     import common
@@ -86,15 +88,25 @@ def rank_main(argv):
     # one training step: from the lr lookup that starts it to the "train" event that ends it
     schedule, log = prune.lr_schedule, checkpoint.Run.log
 
+    profile = {"steps": 0, "on": os.environ.get("E3_MEMORY_PROFILE") == "1"}
+
     def step_start(*a, **k):
         reset_peak()
         start["step"] = status_mb("VmRSS")
+        profile["steps"] += 1
+        if profile["on"] and profile["steps"] == 2:  # the second step: Adam's moments exist
+            profile["prof"] = torch.profiler.profile(profile_memory=True, record_shapes=True)
+            profile["prof"].__enter__()
         return schedule(*a, **k)
 
     def step_end(self, **event):
         if event.get("event") == "train":
             start["search step"] = start["finetune"] = start["step"]
             note("search step" if event["phase"] == "search" else "finetune")
+            if "prof" in profile and profile["steps"] == 2:
+                profile["prof"].__exit__(None, None, None)
+                print(profile["prof"].key_averages(group_by_input_shape=True).table(
+                    sort_by="self_cpu_memory_usage", row_limit=12), flush=True)
         return log(self, **event)
 
     prune.lr_schedule, checkpoint.Run.log = step_start, step_end
@@ -117,12 +129,13 @@ def random_llama(path, tied=True):
     AutoTokenizer.from_pretrained(common.default_model()).save_pretrained(path)
 
 
-def measure(model, nproc, tmp):
+def measure(model, nproc, tmp, profile=False):
     """Peaks (MB) of each phase, the max over ranks: a fresh run, then --resume of its last
     checkpoint."""
     report = Path(tmp) / f"report-{nproc}"
     report.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "E3_MEMORY_REPORT": str(report),
+           "E3_MEMORY_PROFILE": "1" if profile else "0",
            "E3_TEACHER_CACHE": str(Path(tmp) / f"teacher-{nproc}")}
     layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
     launcher = [sys.executable]
@@ -142,6 +155,8 @@ def measure(model, nproc, tmp):
                               capture_output=True, text=True)
         if proc.returncode:
             sys.exit(proc.stdout[-2000:] + proc.stderr[-3000:])
+        if profile and not extra:
+            print(proc.stdout[proc.stdout.find("----"):proc.stdout.find("Self CPU time total")])
     peaks = {}
     for f in sorted(report.glob("rank*.jsonl")):
         for e in map(json.loads, f.read_text().splitlines()):
@@ -159,6 +174,8 @@ def main():
                    help="the random Llama with a separate LM head (146M; Llama-2's layout)")
     p.add_argument("--nproc", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--json", help="also write the table here")
+    p.add_argument("--profile", action="store_true",
+                   help="also print torch.profiler's allocations of the second search step")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = a.model or str(Path(tmp) / "llama")
@@ -172,7 +189,7 @@ def main():
                 params += sum(_numel(st.get_slice(k).get_shape()) for k in st.keys())
         print(f"model: {model}, {params / 1e6:.1f}M parameters "
               f"({4 * params / 2**20:.0f} MB fp32)", flush=True)
-        table = {n: measure(model, n, tmp) for n in a.nproc}
+        table = {n: measure(model, n, tmp, a.profile) for n in a.nproc}
     header = "".join(f"{f'{n} rank(s)':>12}" for n in a.nproc)
     print(f"{'phase':<12}" + header + "   (peak MB per rank)")
     for phase in PHASES:
