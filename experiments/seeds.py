@@ -83,25 +83,40 @@ def fmt(xs, spec=".1f"):
     return f"{m:{spec}} ± {sd:{spec}} ({lo:{spec}}-{hi:{spec}})"
 
 
+def ranges(layers):
+    """[4, 6, 13, 14, 15] -> '4, 6, 13-15'"""
+    out, run = [], []
+    for i in layers + [None]:
+        if run and (i is None or i != run[-1] + 1):
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)))
+            run = []
+        if i is not None:
+            run.append(i)
+    return ", ".join(out)
+
+
 def table(results_dir=RESULTS):
     by = load(results_dir)
     corpora = sorted({c for m in by.values() for r in m.values() for c in r["corpora"]},
                      key=lambda c: (c != "shakespeare", c))
-    lines = ["| method | seeds | " + " | ".join(f"{c} ppl" for c in corpora) + " | "
-             + " | ".join(f"{c} KL" for c in corpora) + " |",
-             "|---|---|" + "---|" * (2 * len(corpora))]
+    methods = [m for m in METHODS if m in by] + sorted(set(by) - set(METHODS))
     any_run = next(r for m in by.values() for r in m.values())  # every run has the same teacher
-    lines.append("| dense teacher (30 layers) | | " + " | ".join(
-        f"{any_run['corpora'][c]['teacher_ppl']:.1f}" if c in any_run["corpora"] else ""
-        for c in corpora) + " |" + " 0 |" * len(corpora))
-    for m in [m for m in METHODS if m in by] + sorted(set(by) - set(METHODS)):
-        runs = [by[m][s] for s in sorted(by[m])]
-        cells = [fmt([r["corpora"][c]["ppl"] for r in runs if c in r["corpora"]])
-                 for c in corpora]
-        cells += [fmt([r["corpora"][c]["kl"] for r in runs if c in r["corpora"]], ".3f")
-                  for c in corpora]
-        lines.append(f"| {LABELS.get(m, m)} | {','.join(map(str, sorted(by[m])))} | "
-                     + " | ".join(cells) + " |")
+    lines = []
+    for stat, spec in (("ppl", ".1f"), ("kl", ".3f")):
+        lines += [f"Held-out {stat}, mean ± sd (min-max) over the seeds:", "",
+                  "| method | seeds | " + " | ".join(corpora) + " |",
+                  "|---|---|" + "---|" * len(corpora)]
+        if stat == "ppl":
+            lines.append("| dense teacher (30 layers) | | " + " | ".join(
+                f"{any_run['corpora'][c]['teacher_ppl']:.1f}" if c in any_run["corpora"] else ""
+                for c in corpora) + " |")
+        for m in methods:
+            runs = [by[m][s] for s in sorted(by[m])]
+            cells = [fmt([r["corpora"][c][stat] for r in runs if c in r["corpora"]], spec)
+                     for c in corpora]
+            lines.append(f"| {LABELS.get(m, m)} | {','.join(map(str, sorted(by[m])))} | "
+                         + " | ".join(cells) + " |")
+        lines.append("")
     paired = []
     for a, b in PAIRS:
         seeds = sorted(set(by.get(a, {})) & set(by.get(b, {})))
@@ -116,16 +131,18 @@ def table(results_dir=RESULTS):
             cells.append(f"{m:+.1f}{sd_txt} ({a} better on {wins}/{len(d)})")
         paired.append(f"| {a} - {b} | {','.join(map(str, seeds))} | " + " | ".join(cells) + " |")
     if paired:
-        lines += ["", "Paired by seed (held-out ppl of the first minus the second; negative: the "
+        lines += ["Paired by seed (held-out ppl of the first minus the second; negative: the "
                   "first is better):", "", "| pair | seeds | " + " | ".join(corpora) + " |",
-                  "|---|---|" + "---|" * len(corpora), *paired]
-    layer_sets = ["", "Layer sets removed, by seed:", ""]
-    for m in [m for m in METHODS if m in by]:
+                  "|---|---|" + "---|" * len(corpora), *paired, ""]
+    lines += ["Layers removed, by seed:", ""]
+    for m in methods:
+        sets = {}
         for s in sorted(by[m]):
             kept, L = by[m][s]["kept_layers"] or [], by[m][s]["layers_before"] or 0
-            removed = [i for i in range(L) if i not in kept]
-            layer_sets.append(f"- {m} seed {s}: {removed}")
-    return "\n".join(lines + layer_sets)
+            sets.setdefault(ranges([i for i in range(L) if i not in kept]), []).append(str(s))
+        lines.append(f"- {LABELS.get(m, m)}: " + "; ".join(
+            f"{removed} (seed {', '.join(seeds)})" for removed, seeds in sets.items()))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
