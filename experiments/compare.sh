@@ -10,6 +10,7 @@
 #   bash experiments/compare.sh searches   # the evolutionary search and the random control, then AKD
 #   bash experiments/compare.sh series     # every method over seeds 0-4, scored on three corpora
 #   bash experiments/compare.sh variants   # the search's variants (ablation flags), seed 0, as series
+#   bash experiments/compare.sh budget4x   # E3 and KL one-shot at 4x the tokens, seeds 0-2, as series
 #   bash experiments/compare.sh table      # the series' table from experiments/results/
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -66,7 +67,7 @@ elif [ "$1" = seeds ]; then
   done
   python evaluate.py --model $R/kl-oneshot-seed1 $R/kl-oneshot-seed2 $R/e3-kd-seed1 $R/e3-kd-seed2 \
     $R/e3-akd-seed1 $R/e3-akd-seed2 --no-speed --no-figures --seq-len 128 --max-tokens 16384 --out $R/seeds
-elif [ "$1" = series ] || [ "$1" = variants ] || [ "$1" = table ]; then
+elif [ "$1" = series ] || [ "$1" = variants ] || [ "$1" = budget4x ] || [ "$1" = table ]; then
   # Every method over seeds 0-4 (SEEDS), scored on the held-out end of the training corpus and on two
   # other domains (experiments/domains.py: the Python reference manual, torch's nn/modules source).
   # The seed sets the data order and every random draw (Gumbel noise, mutations, random subsets);
@@ -77,8 +78,10 @@ elif [ "$1" = series ] || [ "$1" = variants ] || [ "$1" = table ]; then
   # SEEDS="1 2" pick runs, and drivers started side by side share the queue (each run is claimed).
   [ "$1" = table ] && { python experiments/seeds.py table; exit; }
   [ -f $D/domains.json ] || python experiments/domains.py $D > /dev/null
+  # budget4x: 320 steps (327,680 tokens, a 32-step search), its own teacher cache; names end in -4x
+  X=""; [ "$1" = budget4x ] && { X=-4x; P=${P/--tokens 81920/--tokens 327680}; }
   series_run() {  # METHOD SEED: train, score on the three corpora, record
-    local m=$1 s=$2 name=$1-s$2; local out=experiments/results/$name.json
+    local m=$1 s=$2 name=$1$X-s$2; local out=experiments/results/$name.json
     [ -f "$out" ] && return
     # claimed by a mkdir (atomic): several drivers can share the queue (after a kill: rm -r $R/claims)
     mkdir -p $R/claims; mkdir $R/claims/$name 2> /dev/null || return 0
@@ -88,7 +91,7 @@ elif [ "$1" = series ] || [ "$1" = variants ] || [ "$1" = table ]; then
       python evaluate.py --model $R/$name $data --no-speed --no-figures --seq-len 128 \
         --max-tokens 16384 --report $R/$name/eval-$c >> "$R/$name.out" 2>&1
     done
-    python experiments/seeds.py record $R/$name $m $s $out $R/$name/eval-*.json > /dev/null
+    python experiments/seeds.py record $R/$name $m$X $s $out $R/$name/eval-*.json > /dev/null
     echo "$(date +%H:%M) $name: $(python -c "import json, sys; r = json.load(open(sys.argv[1]))
 print({c: round(v['ppl'], 2) for c, v in r['corpora'].items()})" $out)"
   }
@@ -98,6 +101,7 @@ print({c: round(v['ppl'], 2) for c, v in r['corpora'].items()})" $out)"
   if [ -n "${METHODS:-}" ]; then add $METHODS
   elif [ "$1" = variants ]; then SEEDS=${SEEDS:-0} add e3-masks2 e3-masks8 e3-scale4 e3-lr-linear \
     e3-search-kd e3-calib-mix kl-calib-mix
+  elif [ "$1" = budget4x ]; then SEEDS=${SEEDS:-0 1 2} add kl-oneshot e3-akd
   else
     add kl-oneshot e3-akd; add evo random; add minitron e3-kd sheared
     # ShortGPT trains nothing, so it cannot be the run that builds the cache

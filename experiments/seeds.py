@@ -27,7 +27,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # the order of the table; a method not run yet is left out
 METHODS = ["shortgpt", "minitron", "sheared", "kl-oneshot", "random", "evo", "e3-kd", "e3-akd",
            "e3-masks2", "e3-masks8", "e3-scale4", "e3-lr-linear", "e3-search-kd", "e3-calib-mix",
-           "kl-calib-mix"]
+           "kl-calib-mix", "kl-oneshot-4x", "e3-akd-4x"]
 LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitron-style (BI + KD)",
           "sheared": "Sheared-style (L0 + KD)", "kl-oneshot": "KL one-shot + AKD",
           "random": "random search + AKD", "evo": "evolutionary search + AKD",
@@ -36,8 +36,10 @@ LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitr
           "e3-scale4": "E3 (AKD), S_0 = 4 x KL", "e3-lr-linear": "E3 (AKD), score lr 0.2 -> 0.025",
           "e3-search-kd": "E3 (AKD), KD drives the search",
           "e3-calib-mix": "E3 (AKD), mixed-domain calibration",
-          "kl-calib-mix": "KL one-shot + AKD, mixed-domain calibration"}
-PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("e3-akd", "evo")]
+          "kl-calib-mix": "KL one-shot + AKD, mixed-domain calibration",
+          "kl-oneshot-4x": "KL one-shot + AKD, 4x tokens", "e3-akd-4x": "E3 (AKD), 4x tokens"}
+PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot"),
+         ("e3-akd", "evo"), ("e3-calib-mix", "kl-calib-mix"), ("e3-akd-4x", "kl-oneshot-4x")]
 
 
 def record(run_dir, method, seed, out, *evals):
