@@ -129,6 +129,11 @@ def parse_args(argv=None):
     g.add_argument("--calib-data",
                    help="corpus of the importance's --n-calib sequences (e.g. a folder mixing "
                         "domains; default: --data, else the cache)")
+    g.add_argument("--search-data",
+                   help="corpus the search reads, with its own teacher cache: the Gumbel/l0 "
+                        "steps train on it, evo/random score sets on it (e.g. a mix of domains, "
+                        "for a layer set that serves more than the fine-tune's text; "
+                        "default: --data)")
     g = p.add_argument_group("training (Sec. 3.3, Appendix E)")
     g.add_argument("--loss", choices=["akd", "kd", "sft"], default="akd",
                    help="akd: entropy-weighted top-K KD, eq. 13 (paper); kd: eq. 12; "
@@ -511,27 +516,41 @@ def prune_to_top_k(model, opt, scores, args, protected):
 # -----------------------------------------------------------------------------
 # Bookkeeping: the teacher cache, the plan line, the export
 
-def default_cache_dir(args):
+def default_cache_dir(args, data, tokens):
     # everything the targets depend on: another model, corpus, length, K or budget is another cache
-    tokens = args.steps * args.batch_size * args.seq_len
     ident = {**common.model_fingerprint(args.model),
-             "data": str(Path(args.data).resolve()) if args.data else "packaged",
+             "data": str(Path(data).resolve()) if data else "packaged",
              "seq_len": args.seq_len, "topk": args.topk, "tokens": tokens}
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     return common.TEACHER_CACHE_DIR / digest
 
 
-def build_teacher_cache(args, tok):
-    """The teacher's targets for this run's token budget, built now (cache_teacher.py; data-parallel
-    under torchrun) before the student exists: the teacher and the student are never in memory
-    together. None when there is nothing to train (--steps 0: calibration reads --data)."""
-    if args.steps == 0:
+def build_teacher_cache(args, tok, data=None, tokens=None):
+    """The teacher's targets for `tokens` training tokens of `data` (default: this run's budget of
+    --data), built now (cache_teacher.py; data-parallel under torchrun) before the student exists:
+    the teacher and the student are never in memory together. None when there is nothing to train
+    (--steps 0: calibration reads --data)."""
+    data = data or args.data
+    tokens = tokens or args.steps * args.batch_size * args.seq_len  # T steps of the batch, no more
+    if tokens == 0:
         return None
-    path = str(default_cache_dir(args))
-    tokens = args.steps * args.batch_size * args.seq_len  # T steps of the global batch, no more
-    build_cache(args.model, args.data, path, topk=args.topk, seq_len=args.seq_len,
+    path = str(default_cache_dir(args, data, tokens))
+    build_cache(args.model, data, path, topk=args.topk, seq_len=args.seq_len,
                 max_tokens=tokens, text_field=args.text_field)
     return TeacherCache(path, tok, seq_len=args.seq_len, topk=args.topk)
+
+
+def build_search_cache(args, tok, cache, L):
+    """--search-data: the search's own teacher targets, as many tokens as the search reads (T_M
+    steps of the batch for gumbel/l0, evo's last stage for evo/random). Without it, or with no
+    search, the search reads the training cache."""
+    if not args.search_data or args.search == "none":
+        return cache
+    if args.search in ("evo", "random"):
+        tokens = evo_settings(args, L)[1][-1][0]  # every set is scored on the first n tokens
+    else:
+        tokens = search_steps(args) * args.batch_size * args.seq_len
+    return build_teacher_cache(args, tok, args.search_data, tokens)
 
 
 def cache_bytes(cache):
@@ -661,6 +680,7 @@ def main(argv=None):
     run = Run(args.out, run_identity(args), rank, args.resume)
     # the teacher is loaded, used and freed here: it and the student never share the memory
     cache = cache or build_teacher_cache(args, tok)
+    search_cache = build_search_cache(args, tok, cache, L)  # the same one unless --search-data
     if args.steps == 0:  # no cache to read the corpus: check --data now, before anything is written
         next(calibration_batches(args, tok, None, rank, world))
     run.create()
@@ -697,7 +717,8 @@ def main(argv=None):
         if resumed.get("search_forward_tokens"):  # an evo/random search spent them before
             summary["search_forward_tokens"] = resumed["search_forward_tokens"]
     elif args.search in ("evo", "random"):  # a baseline's layer set, chosen before any training
-        chosen, forward_tokens = layer_set_search(args, model, cache, S0, L, protected, run)
+        chosen, forward_tokens = layer_set_search(args, model, search_cache, S0, L, protected,
+                                                  run)
         summary["search_forward_tokens"] = forward_tokens
         search.S.data.copy_(chosen)  # its indicator: the cut below keeps exactly that set
     # phase "search" = Alg. 1 l.3's t <= T_M: all L layers run through their gates; "finetune" =
@@ -734,8 +755,10 @@ def main(argv=None):
             group["lr"] = lr
         if phase == "search":  # Alg. 1 l.3: t <= T_M
             search.begin_step(t)  # Alg. 1 l.2: tau_t, k'_t; and this step's Gumbel draw
+        # the search's text and loss may differ from the fine-tune's (--search-data/--search-loss)
+        source, kind = (search_cache, args.search_loss) if phase == "search" else (cache, args.loss)
         # this rank's slice of the global batch: the same sequences on any number of ranks
-        idx = rank_indices(step, args, cache.len_split("train"), rank, world)
+        idx = rank_indices(step, args, source.len_split("train"), rank, world)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # for the log only
         for m in range(n_micro):
             # gradient accumulation: reduce-scatter over ranks only after the last micro-batch
@@ -746,10 +769,9 @@ def main(argv=None):
                 # frees the graph from S to M~. j: this micro-batch's place in the global batch
                 gates.mask = search.sample_mask(rank * n_micro + m)
             rows = idx[m * args.micro_batch:(m + 1) * args.micro_batch]
-            batch = to_device(cache.get(rows), device)
+            batch = to_device(source.get(rows), device)
             # the objective is a MEAN over the global batch: each micro-batch's mean, / n_micro,
             # summed over micro-batches here and averaged over ranks by FSDP's reduce-scatter
-            kind = args.search_loss if phase == "search" else args.loss  # both akd by default
             loss = kd_loss(model, batch, kind, vocab, compute) / n_micro
             loss.backward()  # one backward gives dL/dTheta AND dL/dS (through the gates)
             loss_sum += loss.detach()

@@ -46,6 +46,11 @@ declare -A METHOD=(
   [e3-search-kd]="--loss akd --search-loss kd"
   [e3-calib-mix]="--loss akd --calib-data $D/calib-mix.jsonl"
   [kl-calib-mix]="--init kl --search none --loss akd --calib-data $D/calib-mix.jsonl"
+  # ... or searching on too narrow a text: the search (its steps, or evo's fitness) on a mix of the
+  # three domains (disjoint from what is scored), the fine-tune after the cut on the training corpus
+  [e3-search-mix]="--loss akd --search-data $D/search-mix.jsonl"
+  [e3-mix]="--loss akd --calib-data $D/calib-mix.jsonl --search-data $D/search-mix.jsonl"
+  [evo-mix]="$E --search evo --loss akd --calib-data $D/calib-mix.jsonl --search-data $D/search-mix.jsonl"
 )
 if [ "${1:-main}" = main ]; then
   for m in shortgpt minitron sheared kl-oneshot e3-kd e3-akd; do run $m $P ${METHOD[$m]}; done
@@ -77,7 +82,7 @@ elif [ "$1" = series ] || [ "$1" = variants ] || [ "$1" = budget4x ] || [ "$1" =
   # at a time, one thread each (the first run builds the teacher cache alone); METHODS="a b" and
   # SEEDS="1 2" pick runs, and drivers started side by side share the queue (each run is claimed).
   [ "$1" = table ] && { python experiments/seeds.py table; exit; }
-  [ -f $D/domains.json ] || python experiments/domains.py $D > /dev/null
+  [ -f $D/search-mix.jsonl ] || python experiments/domains.py $D > /dev/null
   # budget4x: 320 steps (327,680 tokens, a 32-step search), its own teacher cache; names end in -4x
   X=""; [ "$1" = budget4x ] && { X=-4x; P=${P/--tokens 81920/--tokens 327680}; }
   series_run() {  # METHOD SEED: train, score on the three corpora, record
@@ -99,8 +104,8 @@ print({c: round(v['ppl'], 2) for c, v in r['corpora'].items()})" $out)"
   order=()
   add() { for s in ${SEEDS:-0 1 2 3 4}; do for m in $@; do order+=("$m $s"); done; done; }
   if [ -n "${METHODS:-}" ]; then add $METHODS
-  elif [ "$1" = variants ]; then SEEDS=${SEEDS:-0} add e3-masks2 e3-masks8 e3-scale4 e3-lr-linear \
-    e3-search-kd e3-calib-mix kl-calib-mix
+  elif [ "$1" = variants ]; then SEEDS=${SEEDS:-0} add e3-mix e3-search-mix evo-mix e3-masks2 \
+    e3-masks8 e3-scale4 e3-lr-linear e3-search-kd e3-calib-mix kl-calib-mix
   elif [ "$1" = budget4x ]; then SEEDS=${SEEDS:-0 1 2} add kl-oneshot e3-akd
   else
     add kl-oneshot e3-akd; add evo random; add minitron e3-kd sheared

@@ -12,6 +12,9 @@ install of this project already has (no download):
                 first 16K tokens of each) and 4 Shakespeare excerpts (training text), each cut to
                 2,500 characters and interleaved, so that the importance's first 16 x 128 tokens
                 (--n-calib 16 --seq-len 128) see all three: prune.py --calib-data
+  search-mix    the search's text, the same three domains, 12 documents each (the 12 before
+                calib-mix's in each list: reference topics 63-74 of 79, torch files 12-23 of 28,
+                plays 5-16), ~25K tokens: prune.py --search-data
 
   python experiments/domains.py runs/domains   # writes python-docs.jsonl, torch-code.jsonl,
                                                 # calib-mix.jsonl and domains.json (sizes, sha256,
@@ -43,15 +46,23 @@ def torch_code():
     return [p.read_text(encoding="utf-8") for p in sorted(root.glob("*.py"))]
 
 
-def calib_mix(n=4, chars=2500):
+def calib_mix(n=4, chars=2500, skip=0):
+    """n documents of each domain, the last n before the last `skip` of each list (a play's
+    excerpt for the verse), cut to `chars` and interleaved."""
     import common  # the packaged plays: the training corpus's text
-    plays = sorted(Path(common.default_corpus()).rglob("*.md"))[:n]
+    plays = sorted(Path(common.default_corpus()).rglob("*.md"))[skip:skip + n]
     verse = [p.read_text(encoding="utf-8")[10_000:10_000 + chars] for p in plays]
-    groups = [python_docs()[-n:], torch_code()[-n:], verse]
+    last = lambda docs: docs[len(docs) - skip - n:len(docs) - skip]  # noqa: E731
+    groups = [last(python_docs()), last(torch_code()), verse]
     return [doc[:chars] for docs in zip(*groups) for doc in docs]  # docs, code, verse, docs, ...
 
 
-DOMAINS = {"python-docs": python_docs, "torch-code": torch_code, "calib-mix": calib_mix}
+def search_mix():
+    return calib_mix(n=12, skip=4)  # disjoint from calib-mix and from what evaluate.py scores
+
+
+DOMAINS = {"python-docs": python_docs, "torch-code": torch_code, "calib-mix": calib_mix,
+           "search-mix": search_mix}
 
 
 def write(out):

@@ -37,9 +37,13 @@ LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitr
           "e3-search-kd": "E3 (AKD), KD drives the search",
           "e3-calib-mix": "E3 (AKD), mixed-domain calibration",
           "kl-calib-mix": "KL one-shot + AKD, mixed-domain calibration",
+          "e3-search-mix": "E3 (AKD), search on mixed-domain text",
+          "e3-mix": "E3 (AKD), mixed-domain calibration and search",
+          "evo-mix": "evolutionary search + AKD, mixed-domain calibration and fitness",
           "kl-oneshot-4x": "KL one-shot + AKD, 4x tokens", "e3-akd-4x": "E3 (AKD), 4x tokens"}
 PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot"),
-         ("e3-akd", "evo"), ("e3-calib-mix", "kl-calib-mix"), ("e3-akd-4x", "kl-oneshot-4x")]
+         ("e3-akd", "evo"), ("e3-calib-mix", "kl-calib-mix"),
+         ("e3-mix", "kl-calib-mix"), ("e3-mix", "kl-oneshot"), ("evo-mix", "kl-calib-mix"), ("e3-akd-4x", "kl-oneshot-4x")]
 
 
 def record(run_dir, method, seed, out, *evals):

@@ -473,3 +473,36 @@ def test_score_scale_lr_schedule_search_loss_and_calib_data(single_run, make_tin
     calib = events(tmp_path / "calib", "importance")[0]["scores"]
     assert calib == pytest.approx(events(tmp_path / "data", "importance")[0]["scores"], rel=1e-6)
     assert calib != pytest.approx(plain, rel=1e-3)
+
+
+def test_search_data_is_what_the_search_reads(make_tiny, corpus, tmp_path, monkeypatch):
+    """--search-data: the Gumbel search's micro-batches come from that text and the fine-tune's from --data;
+    evo and random score their sets on it. The search text is digits only, the play has letters: each batch
+    tells, decoded, where it came from."""
+    import baselines
+    import common
+    import prune
+    from transformers import AutoTokenizer
+    monkeypatch.setattr(common, "TEACHER_CACHE_DIR", tmp_path / "teacher")
+    digits = tmp_path / "digits.txt"
+    digits.write_text(" ".join(str(i * 7919 % 1000) for i in range(6000)))
+    model = make_tiny("llama", L)
+    tok = AutoTokenizer.from_pretrained(model)
+    texts, kd_loss = [], prune.kd_loss
+
+    def recording_kd_loss(m, batch, *a, **k):
+        if torch.is_grad_enabled():
+            texts.extend(tok.batch_decode(batch["input_ids"], skip_special_tokens=True))
+        return kd_loss(m, batch, *a, **k)
+    monkeypatch.setattr(prune, "kd_loss", recording_kd_loss)
+    prune.main(tiny_args(model, corpus, tmp_path / "gumbel", "--search-data", str(digits)))
+    is_digits = [set(text) <= set("0123456789 ") for text in texts]
+    assert is_digits == [True] * 16 + [False] * 16  # 4 search steps, then 4 fine-tune steps, 4 micro-batches
+
+    scored = []
+    cache_score = baselines.cache_score
+    monkeypatch.setattr(baselines, "cache_score", lambda m, cache, *a: scored.append(cache) or cache_score(m, cache, *a))
+    prune.main(tiny_args(model, corpus, tmp_path / "evo", "--search", "evo", "--evo-generations", "1",
+                         "--evo-offspring", "2", "--evo-stages", "64:1", "--steps", "1", "--search-data", str(digits)))
+    rows = scored[0].get(list(range(scored[0].len_split("train"))))["input_ids"]
+    assert all(set(text) <= set("0123456789 ") for text in tok.batch_decode(rows, skip_special_tokens=True))
