@@ -350,7 +350,8 @@ class HardConcreteSearch:
         self.noise = [torch.rand(self.L, generator=self.gen)
                       for _ in range(self.args.masks_per_step)]
         for group in self.opt.param_groups:
-            group["lr"] = score_lr_schedule(t, self.T_M, self.args)
+            group["lr"] = score_lr_schedule(t, self.T_M, self.args.score_lr,
+                                              self.args.score_lr_schedule)
 
     def sample_mask(self, j=0):
         """z_l in [0, 1] per free layer (soft in the forward pass too); protected layers 1."""

@@ -426,7 +426,8 @@ class GumbelTopKSearch:
         # (or N samples, each behind 1/N of the batch: dL/dS then averages N sub-networks)
         self.noise = [gumbel_noise((self.L,), self.gen) for _ in range(self.args.masks_per_step)]
         for group in self.opt.param_groups:
-            group["lr"] = score_lr_schedule(t, self.T_M, self.args)
+            group["lr"] = score_lr_schedule(t, self.T_M, self.args.score_lr,
+                                              self.args.score_lr_schedule)
 
     def sample_mask(self, j=0):
         """Alg. 1 l.4: M = Gumbel-TopK(S, tau_t, k'_t) over the unprotected layers (the protected

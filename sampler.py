@@ -68,13 +68,13 @@ def k_schedule(t, search_steps, L, k):
     return L - math.ceil((L - k) * t / search_steps)
 
 
-def score_lr_schedule(t, search_steps, args):
-    """The scores' lr at search step t: --score-lr throughout (paper: the lr of S is not given), or
-    (--score-lr-schedule linear) lr_S (T_M - t + 1) / T_M, from lr_S down to lr_S / T_M: large
-    moves while tau is high and k'_t large, small ones once the draws have settled."""
-    if args.score_lr_schedule == "linear":
-        return args.score_lr * (search_steps - t + 1) / search_steps
-    return args.score_lr
+def score_lr_schedule(t, search_steps, lr, schedule="constant"):
+    """The scores' lr at search step t: lr_S throughout (paper: the lr of S is not given), or
+    (schedule "linear") lr_S (T_M - t + 1) / T_M, from lr_S down to lr_S / T_M: large moves while
+    tau is high and k'_t large, small ones once the draws have settled."""
+    if schedule == "linear":
+        return lr * (search_steps - t + 1) / search_steps
+    return lr
 
 
 # -----------------------------------------------------------------------------
