@@ -12,8 +12,10 @@ prune.py calls these the same way in one process and under torchrun, and never a
   clip_grad_norm(params, max_norm)        the global gradient norm (a DTensor under FSDP), a float
   mean_over_ranks(x), average_grad(p)     all-reduce for what lives outside FSDP (the scores S)
   full_state_dict(model)                  the whole fp32 state on rank 0's CPU (export); others {}
+  tied_lookup_adds_rows(model)            a tied embedding's backward adds its rows into the grad
 """
 import contextlib
+import types
 
 import torch
 from torch import nn
@@ -144,3 +146,55 @@ def full_state_dict(model):
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)
     return {k: v.cpu() for k, v in state.items()}
+
+
+# -----------------------------------------------------------------------------
+# Memory of a tied embedding / LM head (one V x d weight E used twice: x = E[ids], logits = h E^T)
+
+class _LookupAddsRows(torch.autograd.Function):
+    """x = E[ids], whose backward adds the batch's rows of dL/dx straight into E.grad and returns
+    no gradient for E. Plain autograd returns a dense V x d gradient (zero but for the batch's rows)
+    and, as E is also the head, holds it beside the head's V x d gradient and their out-of-place
+    sum: three V x d fp32 tensors a micro-batch (3 x 151 MB for SmolLM2's 49K x 768; 3 x 1.2 GB
+    for Qwen2.5-3B's 152K x 2048). Here only the head's remains. dL/dE is the same sum."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, padding_idx):
+        ctx.save_for_backward(ids)
+        ctx.weight, ctx.padding_idx = weight, padding_idx
+        return nn.functional.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,), weight = ctx.saved_tensors, ctx.weight
+        ids, rows = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
+        if ctx.padding_idx is not None:  # nn.Embedding's rule: the padding row gets no gradient
+            rows = rows.masked_fill((ids == ctx.padding_idx)[:, None], 0)
+        # each distinct row summed in (at least) fp32 first, then added once: one rounding per row in bf16,
+        # as the dense path has (and no racing duplicate indices on a GPU)
+        uniq, inverse = ids.unique(return_inverse=True)
+        acc = torch.promote_types(rows.dtype, torch.float32)  # fp32, or fp64 when it is
+        summed = torch.zeros(len(uniq), rows.shape[1], dtype=acc, device=rows.device)
+        summed.index_add_(0, inverse, rows.to(acc))
+        if weight.grad is None:  # the head's gradient usually comes first (backward order)
+            weight.grad = torch.zeros_like(weight)
+        # the weight FSDP2 computes with (gathered): its post-backward reduce-scatters this .grad
+        weight.grad.index_add_(0, uniq, summed.to(weight.grad.dtype))
+        return None, None, None
+
+
+def tied_lookup_adds_rows(model):
+    """When the input embedding and the LM head share one trainable weight, and the embedding is a
+    plain nn.Embedding (scaled or normed embeddings keep their own forward), its lookup becomes
+    _LookupAddsRows: two fewer V x d gradients per micro-batch. Training-only; the exported
+    weights are the same tensors."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if (head is None or head.weight is not embed.weight or not embed.weight.requires_grad
+            or type(embed).forward is not nn.Embedding.forward or embed.max_norm is not None
+            or embed.sparse):
+        return model
+
+    def forward(self, ids):  # self.weight: under FSDP2 the gathered weight while it computes
+        return _LookupAddsRows.apply(self.weight, ids, self.padding_idx)
+    embed.forward = types.MethodType(forward, embed)
+    return model

@@ -272,6 +272,7 @@ def build_student(args, device, rank, world, kept=None):
         add_lora(model, args.lora_rank, args.lora_alpha, args.seed)
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    parallel.tied_lookup_adds_rows(model)  # a tied head: two fewer V x d gradients a micro-batch
     return parallel.distribute(model, device, rank, world).train(), tok
 
 

@@ -101,3 +101,90 @@ def test_short_budget_keeps_the_schedule_shape(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "prune.py"), "--model", str(tmp_path), "--keep", "13",
                            "--plan", "8", "--steps", "58"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert "T 58 (search T_M 6, warm-up 3)" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+def tied_grads(model, batches, adds_rows):
+    """dL/dtheta of a copy of `model`, summed over the micro-batches (float64, one process)."""
+    import copy
+
+    import parallel
+    model = copy.deepcopy(model).double()
+    if adds_rows:
+        parallel.tied_lookup_adds_rows(model)
+    for ids in batches:
+        model(input_ids=ids, labels=ids).loss.backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_tied_lookup_adds_rows_gives_autograds_gradient():
+    """The tied embedding's lookup that adds its rows into E.grad: every gradient equals plain autograd's
+    (float64), with repeated ids, the padding id (its row gets nothing from the lookup) and two accumulated
+    micro-batches; an untied or frozen embedding is left as it is."""
+    import torch
+    from conftest import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    import parallel
+    torch.manual_seed(0)
+    config = tiny_config("llama", 2, vocab=300)
+    config.pad_token_id = 7
+    model = AutoModelForCausalLM.from_config(config)
+    assert model.get_input_embeddings().padding_idx == 7
+    ids = torch.tensor([[5, 7, 9, 5, 5, 120, 7, 299], [1, 2, 3, 9, 9, 9, 7, 0]])
+    batches = [ids, ids.flip(1)]
+    plain, adds = tied_grads(model, batches, False), tied_grads(model, batches, True)
+    assert plain.keys() == adds.keys()
+    for name in plain:
+        torch.testing.assert_close(adds[name], plain[name], rtol=1e-12, atol=1e-14)
+    embed = plain["model.embed_tokens.weight"]
+    assert embed[[5, 9, 120]].abs().min() > 0 and (embed[7] != 0).any()  # rows the lookup and the head fill
+
+    config.tie_word_embeddings = False
+    untied = AutoModelForCausalLM.from_config(config)
+    forward = untied.get_input_embeddings().forward
+    parallel.tied_lookup_adds_rows(untied)
+    assert untied.get_input_embeddings().forward == forward
+
+
+ROWS_UNDER_FSDP = r'''
+import sys
+import torch
+sys.path.insert(0, sys.argv[2])
+import common, parallel
+rank, world, device = common.init_distributed()
+ids = [torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(10 * r + m)) for r in range(world)
+       for m in range(2)]
+ref, _ = common.load_model(sys.argv[1])  # plain autograd, one process: the mean over the ranks' batches
+for x in ids:
+    (ref(input_ids=x, labels=x).loss / world).backward()
+model, _ = common.load_model(sys.argv[1], weights=rank == 0)
+model = parallel.distribute(parallel.tied_lookup_adds_rows(model), device, rank, world).train()
+for m in range(2):  # two micro-batches: the first without the reduce-scatter
+    parallel.set_grad_sync(model, m == 1)
+    x = ids[2 * rank + m]
+    model(input_ids=x, labels=x).loss.backward()
+diff = max((p.grad.full_tensor() - r.grad).abs().max().item()
+           for p, r in zip(model.parameters(), ref.parameters()))
+print(f"rank {rank}: max diff {diff:.2e}", flush=True)
+torch.distributed.destroy_process_group()
+'''
+
+
+def test_tied_lookup_adds_rows_under_fsdp(tokenizer, tmp_path):
+    """On 2 gloo ranks, FSDP2's reduce-scattered gradients of a model whose tied lookup adds its rows equal
+    plain autograd's mean over both ranks' micro-batches (one process, no FSDP)."""
+    import torch
+    from conftest import tiny_config
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama", 2, vocab=300)).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    script = tmp_path / "rows.py"
+    script.write_text(ROWS_UNDER_FSDP)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(29700 + os.getpid() % 200), str(script), str(tmp_path / "m"),
+                           str(ROOT)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    diffs = [float(line.split()[-1]) for line in proc.stdout.splitlines() if "max diff" in line]
+    assert len(diffs) == 2 and max(diffs) < 1e-6, proc.stdout
