@@ -8,7 +8,6 @@ prune.py calls these the same way in one process and under torchrun, and never a
   drop_removed_layers(model)              after pruning: forget the removed layers' FSDP units
   reshard(model)                          every unit back to its shards (after a no-grad forward)
   compute_context(model, device)          bf16 autocast on one GPU (FSDP: its own mixed precision)
-  set_grad_sync(model, on)                reduce-scatter only on the last micro-batch of a step
   clip_grad_norm(params, max_norm)        the global gradient norm (a DTensor under FSDP), a float
   mean_over_ranks(x), average_grad(p)     all-reduce for what lives outside FSDP (the scores S)
   full_state_dict(model)                  the whole fp32 state on rank 0's CPU (export); others {}
@@ -110,13 +109,6 @@ def compute_context(model, device):
     return contextlib.nullcontext()
 
 
-def set_grad_sync(model, on):
-    """Gradient accumulation: reduce-scatter the gradients only when `on` (the step's last
-    micro-batch), as DDP's no_sync. A no-op in one process."""
-    if is_sharded(model):
-        model.set_requires_gradient_sync(on)
-
-
 def clip_grad_norm(params, max_norm):
     """Clip to max_norm by the global norm over all ranks' shards; returns it as a float."""
     norm = nn.utils.clip_grad_norm_(params, max_norm)
@@ -152,35 +144,38 @@ def full_state_dict(model):
 # Memory of a tied embedding / LM head (one V x d weight E used twice: x = E[ids], logits = h E^T)
 
 class _LookupAddsRows(torch.autograd.Function):
-    """x = E[ids], whose backward adds the batch's rows of dL/dx straight into E.grad and returns
-    no gradient for E. Plain autograd returns a dense V x d gradient (zero but for the batch's rows)
-    and, as E is also the head, holds it beside the head's V x d gradient and their out-of-place
-    sum: three V x d fp32 tensors a micro-batch (3 x 151 MB for SmolLM2's 49K x 768; 3 x 1.2 GB
-    for Qwen2.5-3B's 152K x 2048). Here only the head's remains. dL/dE is the same sum."""
+    """x = E[ids], whose backward adds the batch's rows of dL/dx straight into E.grad. Plain
+    autograd returns a dense V x d gradient (zero but for the batch's rows) and, as E is also the
+    head, E's accumulation waits for both uses: the head's V x d gradient is held through the whole
+    backward, then summed out of place with the lookup's: three V x d fp32 tensors a micro-batch
+    (3 x 151 MB for SmolLM2's 49K x 768; 3 x 1.2 GB for Qwen2.5-3B's 152K x 2048). Here E is no
+    autograd input of the lookup (it reaches backward in a tuple; `anchor`, a scalar that requires
+    grad, keeps the node in the graph), so the head's gradient lands in E.grad at once and the rows
+    are added to it in place at the end. dL/dE is the same sum."""
 
     @staticmethod
-    def forward(ctx, weight, ids, padding_idx):
+    def forward(ctx, anchor, holder, ids, padding_idx):
         ctx.save_for_backward(ids)
-        ctx.weight, ctx.padding_idx = weight, padding_idx
-        return nn.functional.embedding(ids, weight, padding_idx)
+        ctx.holder, ctx.padding_idx = holder, padding_idx
+        return nn.functional.embedding(ids, holder[0], padding_idx)
 
     @staticmethod
     def backward(ctx, grad):
-        (ids,), weight = ctx.saved_tensors, ctx.weight
+        (ids,), weight = ctx.saved_tensors, ctx.holder[0]
         ids, rows = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
         if ctx.padding_idx is not None:  # nn.Embedding's rule: the padding row gets no gradient
             rows = rows.masked_fill((ids == ctx.padding_idx)[:, None], 0)
-        # each distinct row summed in (at least) fp32 first, then added once: one rounding per row in bf16,
-        # as the dense path has (and no racing duplicate indices on a GPU)
+        # each distinct row summed in (at least) fp32 first, then added once: one rounding per
+        # row in bf16, as the dense path has (and no racing duplicate indices on a GPU)
         uniq, inverse = ids.unique(return_inverse=True)
         acc = torch.promote_types(rows.dtype, torch.float32)  # fp32, or fp64 when it is
         summed = torch.zeros(len(uniq), rows.shape[1], dtype=acc, device=rows.device)
         summed.index_add_(0, inverse, rows.to(acc))
-        if weight.grad is None:  # the head's gradient usually comes first (backward order)
+        if weight.grad is None:  # the head's gradient comes first (backward order), unless frozen
             weight.grad = torch.zeros_like(weight)
         # the weight FSDP2 computes with (gathered): its post-backward reduce-scatters this .grad
         weight.grad.index_add_(0, uniq, summed.to(weight.grad.dtype))
-        return None, None, None
+        return None, None, None, None
 
 
 def tied_lookup_adds_rows(model):
@@ -194,7 +189,9 @@ def tied_lookup_adds_rows(model):
             or embed.sparse):
         return model
 
+    anchor = torch.zeros((), requires_grad=True)
+
     def forward(self, ids):  # self.weight: under FSDP2 the gathered weight while it computes
-        return _LookupAddsRows.apply(self.weight, ids, self.padding_idx)
+        return _LookupAddsRows.apply(anchor, (self.weight,), ids, self.padding_idx)
     embed.forward = types.MethodType(forward, embed)
     return model

@@ -762,9 +762,10 @@ def main(argv=None):
         # this rank's slice of the global batch: the same sequences on any number of ranks
         idx = rank_indices(step, args, source.len_split("train"), rank, world)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # for the log only
+        # gradient accumulation: under FSDP each micro-batch's backward reduce-scatters, so a rank
+        # only ever holds its shard of the summed gradient (torchtitan's choice; skipping it until
+        # the last micro-batch would keep the whole gradient on every rank: 27 GB for Llama-2-7B)
         for m in range(n_micro):
-            # gradient accumulation: reduce-scatter over ranks only after the last micro-batch
-            parallel.set_grad_sync(model, m == n_micro - 1)
             if phase == "search":
                 # Alg. 1 l.4: M = Gumbel-TopK(S, tau, k'). The same draw for every micro-batch
                 # (unless --masks-per-step), but the mask is rebuilt for each: every backward
