@@ -20,7 +20,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +101,12 @@ def _train_step(model, opt, batch, vocab, device):
     opt.zero_grad(set_to_none=True)
 
 
+def prune_args(*flags):
+    """prune.py's settings, parsed by prune.py itself: every field its search and cut read, at its
+    defaults (the demo's), so the benchmarks never miss a flag prune.py gains."""
+    return prune.parse_args(["--keep", str(KEEP), *flags])
+
+
 def _trainable(name=None, device=None):
     model, tok = common.load_model(name, device)
     model.config.use_cache = False  # as prune.build_student: no KV cache is built while training
@@ -115,7 +120,7 @@ def bench_search(seq_len=128, batch=4, repeats=5):
     L, vocab = len(decoder_layers(model)), common.vocab_size(tok)
     b = _kd_batch(model, tok, seq_len, batch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    args = SimpleNamespace(keep=KEEP, beta=0.9, score_lr=0.05, seed=0)  # beta, lr, seed: defaults
+    args = prune_args()  # beta, score lr, seed, one mask a step: prune.py's defaults
     search = prune.GumbelTopKSearch(torch.randn(L), args, L, 2, [0, L - 1], device)
 
     # Both sides take a full optimizer step on the same L-layer model and batch; the search side
@@ -151,7 +156,7 @@ def bench_finetune(seq_len=128, batch=4, repeats=5):
     # kept moments), after one step of the L-layer model so that there are moments to carry
     # over. The kept layers stay at their old addresses; a ratio near 1 says nothing of the
     # pruning leaks.
-    args = SimpleNamespace(keep=KEEP, lr=1e-6, weight_decay=0.0)
+    args = prune_args("--lr", "1e-6")
     opt_p = prune.make_optimizer(pruned, args)  # prune.py's AdamW (fused), on both sides
     _train_step(pruned, opt_p, b, vocab, device)
     scores = torch.zeros(L).index_fill_(0, torch.tensor(kept), 1.0)

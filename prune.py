@@ -408,7 +408,8 @@ class GumbelTopKSearch:
 
     def __init__(self, scores, args, L, T_M, protected, device):
         self.args, self.L, self.T_M, self.protected = args, L, T_M, protected
-        self.S = nn.Parameter(scores.float().to(device))
+        # a copy: Adam moves S in place, S_0 stays what the importance gave (logged, exported)
+        self.S = nn.Parameter(scores.detach().float().clone().to(device))
         # Adam, not SGD: it moves each score by ~lr a step whatever the gradient's scale (the loss
         # is in nats and most layers' gradients are tiny), so --score-lr x T_M is how far S can
         # travel; no weight decay (it would pull every score towards 0, towards a uniform choice)

@@ -43,7 +43,10 @@ LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitr
           "kl-oneshot-4x": "KL one-shot + AKD, 4x tokens", "e3-akd-4x": "E3 (AKD), 4x tokens"}
 PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot"),
          ("e3-akd", "evo"), ("e3-calib-mix", "kl-calib-mix"),
-         ("e3-mix", "kl-calib-mix"), ("e3-mix", "kl-oneshot"), ("evo-mix", "kl-calib-mix"), ("e3-akd-4x", "kl-oneshot-4x")]
+         ("e3-mix", "kl-calib-mix"), ("e3-mix", "kl-oneshot"), ("evo-mix", "kl-calib-mix"),
+         ("e3-search-mix", "e3-akd"), ("e3-mix", "e3-calib-mix"), ("evo-mix", "evo"),
+         ("e3-masks2", "e3-akd"), ("e3-masks8", "e3-akd"), ("e3-scale4", "e3-akd"),
+         ("e3-lr-linear", "e3-akd"), ("e3-search-kd", "e3-akd"), ("e3-akd-4x", "kl-oneshot-4x")]
 
 
 def record(run_dir, method, seed, out, *evals):

@@ -506,3 +506,28 @@ def test_search_data_is_what_the_search_reads(make_tiny, corpus, tmp_path, monke
                          "--evo-offspring", "2", "--evo-stages", "64:1", "--steps", "1", "--search-data", str(digits)))
     rows = scored[0].get(list(range(scored[0].len_split("train"))))["input_ids"]
     assert all(set(text) <= set("0123456789 ") for text in tok.batch_decode(rows, skip_special_tokens=True))
+
+
+def test_bench_drives_the_search_with_prune_settings():
+    """bench.py's search step runs GumbelTopKSearch on prune.py's own parsed settings: one step on 30 scores
+    keeps k' = 25 layers (k'_1 of T_M = 2, written out) and moves S. (Its hand-made settings once lacked the
+    fields a new flag added, and `bench.py search` died with an AttributeError.)"""
+    import bench
+    import prune
+    S0 = torch.linspace(1, 0, 30)
+    search = prune.GumbelTopKSearch(S0.clone(), bench.prune_args(), 30, 2, [0, 29], "cpu")
+    search.begin_step(1)
+    mask = search.sample_mask()
+    assert mask.sum().item() == 25 and set(mask.tolist()) == {0.0, 1.0}
+    (mask * torch.arange(30.0)).sum().backward()
+    search.step()
+    assert not torch.equal(search.S.detach(), S0)
+
+
+def test_exported_initial_scores_are_the_importance_not_the_searched_scores(single_run):
+    """pruning.json's initial_scores are S_0 as the importance logged them before the search; the search's
+    Adam moves S, not S_0 (S once shared S_0's storage, and both fields read the final scores)."""
+    info = json.loads((Path(single_run) / "model" / "pruning.json").read_text())
+    assert info["initial_scores"] == pytest.approx(events(single_run, "importance")[0]["scores"], rel=1e-6)
+    assert info["final_scores"] == pytest.approx(events(single_run, "search")[-1]["scores"], rel=1e-6)
+    assert info["final_scores"] != pytest.approx(info["initial_scores"], rel=1e-3)
