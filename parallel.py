@@ -4,6 +4,8 @@ prune.py calls these the same way in one process and under torchrun, and never a
 
   distribute(model, device, rank, world)  one process: .to(device); torchrun: sharded from rank 0
   parallelize(model, device)              fully_shard each decoder layer, then the root
+  free_embedding_in_backward(model)       the embedding's weight is not gathered for its backward
+  ChunkedAllGather, ChunkedReduceScatter  gloo's collectives in pieces (no whole-unit buffer)
   load_from_rank0(model, state, ...)      rank 0 read the checkpoint; every rank receives its shards
   drop_removed_layers(model)              after pruning: forget the removed layers' FSDP units
   reshard(model)                          every unit back to its shards (after a no-grad forward)
@@ -18,6 +20,9 @@ import types
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+# FSDP2's interface for custom collectives (what FSDPModule.set_custom_all_gather/_reduce_scatter take)
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from common import all_reduce_sum
 from surgery import decoder_layers
@@ -47,7 +52,102 @@ def parallelize(model, device):
     for unit in units:
         fully_shard(unit, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
+    free_embedding_in_backward(model)
+    if torch.distributed.get_backend() == "gloo":  # CPU ranks: collectives in pieces (see below)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_custom_all_gather(ChunkedAllGather())
+                m.set_custom_reduce_scatter(ChunkedReduceScatter())
     return model
+
+
+def _plain_lookup(embed):
+    """An nn.Embedding whose backward needs the ids and dL/dx only, never the weight's values
+    (F.embedding, or _LookupAddsRows below; max_norm would rewrite the weight in forward)."""
+    return isinstance(embed, nn.Embedding) and embed.max_norm is None and not embed.sparse
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on x; `callback()` runs once dL/dx is computed, i.e. after the backward of the
+    module x enters (its weights' gradients are accumulated first: autograd runs AccumulateGrad
+    nodes before others, the order FSDP2's own post-backward hook relies on)."""
+
+    @staticmethod
+    def forward(ctx, x, callback):
+        ctx.callback = callback
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.callback()
+        return grad, None
+
+
+def free_embedding_in_backward(model):
+    """The input embedding's V x d weight is not needed by its own backward (dL/dE adds dL/dx at
+    the ids' rows), but FSDP2 gathers a unit whole for the backward of each module in it:
+    - untied: the embedding's unit is not gathered again in backward (`set_unshard_in_backward`,
+      FSDP2's switch for this case): one V x d weight less at the end of every backward;
+    - tied (one unit, since E is also the LM head): the unit is resharded as soon as the head's
+      backward has accumulated its gradient, not after the lookup's at the very end: E is not held
+      gathered through the backward of every layer. Its gradient stays until the unit's
+      reduce-scatter, which now follows the lookup's backward."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not _plain_lookup(embed) or not isinstance(embed, FSDPModule):
+        return
+    if head is None or head.weight is not embed.weight:
+        embed.set_unshard_in_backward(False)
+        return
+
+    def wrap_input(module, args):
+        if not torch.is_grad_enabled():
+            return None
+        return (_AfterBackward.apply(args[0], head.reshard), *args[1:])
+    head.register_forward_pre_hook(wrap_input)
+
+
+# CPU ranks (gloo): gloo's all-gather and reduce-scatter copy the whole tensor through a buffer of
+# their own, so FSDP2's collective on a unit costs two copies of it instead of one (measured with a
+# 49K x 768 fp32 unit, 144 MB: a reduce-scatter peaks 146 MB above its input and output, an
+# all-gather 144 MB above its output). Done in pieces of GLOO_CHUNK_BYTES, the same sums land in
+# the same places and the extra is one piece. NCCL works in place: GPUs keep FSDP2's own.
+GLOO_CHUNK_BYTES = 16 << 20
+
+
+def _pieces(shard_numel, world, element_size):
+    step = max(1, GLOO_CHUNK_BYTES // (world * element_size))
+    return [(a, min(a + step, shard_numel)) for a in range(0, shard_numel, step)]
+
+
+class _Allocate:
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class ChunkedAllGather(_Allocate, AllGather):
+    """output (world x shard, flat) = every rank's input (shard), one column block at a time."""
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        world = torch.distributed.get_world_size(group)
+        out = output_tensor.view(world, -1)
+        for a, b in _pieces(input_tensor.numel(), world, input_tensor.element_size()):
+            piece = torch.empty(world * (b - a), dtype=out.dtype, device=out.device)
+            torch.distributed.all_gather_into_tensor(piece, input_tensor[a:b], group=group)
+            out[:, a:b].copy_(piece.view(world, -1))
+        return None
+
+
+class ChunkedReduceScatter(_Allocate, ReduceScatter):
+    """output (shard) = op over ranks of this rank's block of input (world x shard, flat), one
+    column block at a time."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        world = torch.distributed.get_world_size(group)
+        inp = input_tensor.view(world, -1)
+        for a, b in _pieces(output_tensor.numel(), world, input_tensor.element_size()):
+            torch.distributed.reduce_scatter_tensor(output_tensor[a:b], inp[:, a:b].reshape(-1),
+                                                    op=op, group=group)
+        return None
 
 
 def load_from_rank0(model, full_state, rank, device):
@@ -96,7 +196,6 @@ def reshard(model):
     importance) no backward follows, and the module then holds the full tensors: an optimizer built
     from model.parameters() at that moment would hold those instead of the shards and never train
     the root. A no-op in one process."""
-    from torch.distributed.fsdp import FSDPModule
     for m in model.modules() if is_sharded(model) else []:
         if isinstance(m, FSDPModule):
             m.reshard()

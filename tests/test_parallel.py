@@ -1,9 +1,14 @@
 """The distributed pieces on 2 gloo ranks: the cut frees the removed layers' FSDP units, a launch as
-2 "nodes" equals 1 process, and --plan from a config.json alone (the meta device, no weights)."""
+2 "nodes" equals 1 process, FSDP2's gradients equal one process's (tied and untied, gloo's collectives in
+pieces) while the embedding is not gathered for its own backward, and --plan from a config.json alone (the
+meta device, no weights)."""
 import json
 import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 from test_prune import ROOT, assert_same_weights, tiny_args
 from test_prune import corpus, single_run  # noqa: F401
@@ -146,11 +151,13 @@ def test_tied_lookup_adds_rows_gives_autograds_gradient():
     assert untied.get_input_embeddings().forward == forward
 
 
-ROWS_UNDER_FSDP = r'''
+ROWS_UNDER_FSDP = r"""
 import sys
 import torch
+from torch.distributed.tensor import DTensor
 sys.path.insert(0, sys.argv[2])
 import common, parallel
+parallel.GLOO_CHUNK_BYTES = 4096  # every unit's collectives in many pieces, the last one short
 rank, world, device = common.init_distributed()
 ids = [torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(10 * r + m)) for r in range(world)
        for m in range(2)]
@@ -159,34 +166,117 @@ for x in ids:
     (ref(input_ids=x, labels=x).loss / world).backward()
 model, _ = common.load_model(sys.argv[1], weights=rank == 0)
 model = parallel.distribute(parallel.tied_lookup_adds_rows(model), device, rank, world).train()
+# what each unit holds while the backward runs: a DTensor weight = the unit is back to its shards
+embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+seen = {}
+def look(where):
+    def hook(*unused):
+        seen[where] = (isinstance(embed.weight, DTensor), isinstance(head.weight, DTensor))
+    return hook
+# on the lookup's output, after FSDP's own pre-backward hook there: just before the lookup's backward
+embed.register_forward_hook(lambda mod, inp, out: [out.register_hook(look("embedding backward")), None][1])
+model.model.layers[0].register_full_backward_pre_hook(look("layer 0 backward"))
 for m in range(2):  # two micro-batches, each reduce-scattered: the shards accumulate
     x = ids[2 * rank + m]
     model(input_ids=x, labels=x).loss.backward()
 diff = max((p.grad.full_tensor() - r.grad).abs().max().item()
            for p, r in zip(model.parameters(), ref.parameters()))
 print(f"rank {rank}: max diff {diff:.2e}", flush=True)
+print(f"rank {rank}: sharded (embedding, head) {sorted(seen.items())}", flush=True)
 torch.distributed.destroy_process_group()
-'''
+"""
 
 
-def test_tied_lookup_adds_rows_under_fsdp(tokenizer, tmp_path):
-    """On 2 gloo ranks, FSDP2's reduce-scattered gradients of a model whose tied lookup adds its rows equal
-    plain autograd's mean over both ranks' micro-batches (one process, no FSDP)."""
+@pytest.mark.parametrize("tied", [True, False])
+def test_fsdp_gradients_and_what_a_backward_gathers(tokenizer, tmp_path, tied):
+    """On 2 gloo ranks, FSDP2's reduce-scattered gradients (a tied lookup that adds its rows, gloo's
+    collectives in pieces of 4 KB, two micro-batches) equal plain autograd's mean over both ranks'
+    micro-batches in one process. And the embedding's weight is not held gathered where its values are not
+    needed: tied, the embedding/head unit is back to its shards during the layers' backward (it was gathered
+    until the lookup's backward, at the end); untied, the embedding is not gathered for its own backward."""
     import torch
     from conftest import tiny_config
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config("llama", 2, vocab=300)).save_pretrained(tmp_path / "m")
+    config = tiny_config("llama", 2, vocab=300)
+    config.tie_word_embeddings = tied
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
     tokenizer.save_pretrained(tmp_path / "m")
     script = tmp_path / "rows.py"
     script.write_text(ROWS_UNDER_FSDP)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(29700 + os.getpid() % 200), str(script), str(tmp_path / "m"),
-                           str(ROOT)], env=env, capture_output=True, text=True, timeout=300)
+                           "--master_port", str(29700 + os.getpid() % 200 + tied), str(script),
+                           str(tmp_path / "m"), str(ROOT)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     diffs = [float(line.split()[-1]) for line in proc.stdout.splitlines() if "max diff" in line]
     assert len(diffs) == 2 and max(diffs) < 1e-6, proc.stdout
+    # (embedding sharded, head sharded) at each moment: nothing gathered (tied, the old code had the unit
+    # gathered at both; untied, the embedding gathered for its own backward)
+    states = {"embedding backward": (True, True), "layer 0 backward": (True, True)}
+    for r in (0, 1):
+        assert f"rank {r}: sharded (embedding, head) {sorted(states.items())}" in proc.stdout, proc.stdout
+
+
+CHUNKED = r"""
+import gc, sys
+import torch
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import common, parallel
+rank, world, device = common.init_distributed()
+def rss(field):
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field)) / 1024
+def extra_mb(fn):  # peak resident memory above what was resident when fn started
+    gc.collect()
+    open("/proc/self/clear_refs", "w").write("5")
+    base = rss("VmRSS"); fn(); return rss("VmHWM") - base
+g = torch.Generator().manual_seed(rank)
+# exactness: odd sizes, pieces of 100 elements a rank and a short last one
+parallel.GLOO_CHUNK_BYTES = 100 * world * 4
+for shard in (1, 99, 1001):
+    x = torch.randn(world * shard, generator=g)
+    want, got = torch.empty(shard), torch.full((shard,), float("nan"))
+    dist.reduce_scatter_tensor(want, x.clone())
+    parallel.ChunkedReduceScatter()(got, x, None, dist.ReduceOp.SUM)
+    same_rs = torch.equal(want, got)
+    want, got = torch.empty(world * shard), torch.full((world * shard,), float("nan"))
+    dist.all_gather_into_tensor(want, x[:shard].clone())
+    parallel.ChunkedAllGather()(got, x[:shard], None)
+    print(f"rank {rank}: shard {shard}: reduce-scatter equal {same_rs}, all-gather equal "
+          f"{torch.equal(want, got)}", flush=True)
+# memory: a 128 MB unit, gloo's own collective against the pieces (16 MB)
+parallel.GLOO_CHUNK_BYTES = 16 << 20
+n = 32 << 20
+x, out, full = torch.randn(n), torch.zeros(n // world), torch.zeros(n)
+rs = extra_mb(lambda: dist.reduce_scatter_tensor(out, x))
+rs_pieces = extra_mb(lambda: parallel.ChunkedReduceScatter()(out, x, None, dist.ReduceOp.SUM))
+ag = extra_mb(lambda: dist.all_gather_into_tensor(full, out))
+ag_pieces = extra_mb(lambda: parallel.ChunkedAllGather()(full, out, None))
+with open(f"{sys.argv[2]}/extra-{rank}.txt", "w") as f:  # a file each: no lines interleaved
+    f.write(f"reduce-scatter {rs:.0f} -> {rs_pieces:.0f}, all-gather {ag:.0f} -> {ag_pieces:.0f}")
+dist.destroy_process_group()
+"""
+
+
+def test_gloo_collectives_in_pieces(tmp_path):
+    """parallel.ChunkedReduceScatter / ChunkedAllGather give gloo's own results bit for bit (odd sizes, a
+    short last piece), and bound the buffer a collective adds: gloo's own copy the whole 128 MB through
+    one (>= 120 MB above input and output), in 16 MB pieces the extra is < 48 MB."""
+    script = tmp_path / "chunked.py"
+    script.write_text(CHUNKED)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(29600 + os.getpid() % 90), str(script), str(ROOT),
+                           str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in (0, 1):
+        for shard in (1, 99, 1001):
+            assert f"rank {r}: shard {shard}: reduce-scatter equal True, all-gather equal True" in proc.stdout
+    for line in [(tmp_path / f"extra-{r}.txt").read_text() for r in (0, 1)]:
+        rs, rs_pieces, ag, ag_pieces = (float(v) for v in re.findall(r"\d+", line))
+        assert rs >= 120 and ag >= 120 and rs_pieces < 48 and ag_pieces < 48, line
 
 
 SHARDED_AFTER_EACH_MICRO_BATCH = r'''
