@@ -100,7 +100,7 @@ def free_embedding_in_backward(model):
         return
 
     def wrap_input(module, args):
-        if not torch.is_grad_enabled():
+        if not args or not torch.is_grad_enabled():  # no backward to come (or called by keyword)
             return None
         return (_AfterBackward.apply(args[0], head.reshard), *args[1:])
     head.register_forward_pre_hook(wrap_input)
