@@ -22,6 +22,7 @@ HF decoder layers already add their own residuals, so f(X_l) in the paper's eq. 
 import copy
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -560,6 +561,25 @@ def source_dtype(config):
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
+def cast_as_saved(model, dtype):
+    """Cast the model to `dtype` as from_pretrained(dtype=...) would hold it, and so as
+    save_pretrained wrote the source: all of it, except the tensors its class keeps in fp32 at that
+    dtype. transformers' rule (PreTrainedModel._get_dtype_plan): `_keep_in_fp32_modules_strict` at
+    fp16 and bf16 (DeepSeek-V2/V3's router weight and score-correction bias since transformers
+    5.24), `_keep_in_fp32_modules` at fp16 only; each entry a glob searched in the tensor's name."""
+    keep = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) \
+        if dtype in (torch.float16, torch.bfloat16) else set()
+    if dtype == torch.float16:
+        keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    pattern = re.compile("|".join(f"(?:{g.replace('*', '.*')})" for g in sorted(keep))) \
+        if keep else None
+    # each tensor cast once, straight to its own dtype (fp32 -> bf16 -> fp32 would round it)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_floating_point():
+            t.data = t.data.to(torch.float32 if pattern and pattern.search(name) else dtype)
+    return model
+
+
 def export_pruned(source, state, kept, layers_before, tok, out_dir, info):
     """Export the pruned model as the user gave the source, with no second full copy of the weights:
 
@@ -574,8 +594,7 @@ def export_pruned(source, state, kept, layers_before, tok, out_dir, info):
     remove_layers(model, kept)
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()  # assign replaced the shared embedding/LM-head tensor by two copies
-    # all of it, as save_pretrained wrote the source (from_pretrained upcasts what it keeps in fp32)
-    model.to(dtype)
+    cast_as_saved(model, dtype)  # bf16 stays bf16, and what the class keeps in fp32 stays fp32
     model.config.dtype = dtype
     try:  # the source's EOS list, temperature, top_p...; defaults only when it has none
         model.generation_config = GenerationConfig.from_pretrained(source)

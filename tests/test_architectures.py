@@ -3,6 +3,7 @@ logits from the last layer's output, MoE layouts rewritten at removal, and the e
 missing or unexpected weights, logits == the source with the removed layers bypassed, KV-cache
 generation, the source's generation config, dtype, tokenizer files and chat template)."""
 import json
+import re
 import types
 
 import pytest
@@ -155,10 +156,13 @@ def test_tiny_layouts_mix_dense_and_sparse_layers(arch):
     assert 0 < len(sparse) < L and {1, 4} & set(sparse) and {1, 4} - set(sparse)
 
 
-def file_dtypes(folder):
-    """The dtypes of the tensors in a checkpoint's safetensors file, as stored."""
+def file_dtypes(folder, kept=None):
+    """name -> dtype of each tensor in a checkpoint's safetensors file, as stored. With `kept`
+    (the pruned file's layer i is the source's layer kept[i]) the names are the source's."""
     f = safe_open(str(folder / "model.safetensors"), "pt")
-    return {f.get_slice(k).get_dtype() for k in f.keys()}
+    rename = (lambda k: k) if kept is None else (  # "...layers.2." / "...h.2." -> the source's index
+        lambda k: re.sub(r"\b(layers|h)\.(\d+)\.", lambda m: f"{m[1]}.{kept[int(m[2])]}.", k, 1))
+    return {rename(k): f.get_slice(k).get_dtype() for k in f.keys()}
 
 
 def save_source(arch, path, tokenizer):
@@ -193,7 +197,13 @@ def test_export_round_trip(arch, tmp_path, tokenizer):
         torch.testing.assert_close(got, reference(x).logits, rtol=1e-4, atol=1e-4)
 
     # what the user gave: dtype, generation config, tokenizer files and chat template
-    assert file_dtypes(out) == file_dtypes(src) == {"BF16"}
+    # tensor by tensor: bf16, except what the model class keeps in fp32 at bf16 (DeepSeek's router
+    # since transformers 5.24), as the source file has them
+    src_dtypes = file_dtypes(src)
+    assert "BF16" in src_dtypes.values()
+    got_dtypes = file_dtypes(out, KEEP)
+    # (every exported name is a source name: no key outside the comprehension's filter)
+    assert got_dtypes == {k: v for k, v in src_dtypes.items() if k in got_dtypes}
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert GenerationConfig.from_pretrained(out).to_dict() == \
         GenerationConfig.from_pretrained(src).to_dict()
