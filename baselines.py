@@ -35,9 +35,9 @@ from torch import nn
 
 import parallel
 from common import E3Error, all_reduce_sum, rank_and_world
-from kd import topk_kd_loss
+from kd import head_kd_loss
 from sampler import expected_kept, hard_concrete, k_schedule, lagrangian, score_lr_schedule
-from surgery import _layers_owner, layer_configs, remove_layers
+from surgery import _layers_owner, head_losses, layer_configs, remove_layers
 
 
 # -----------------------------------------------------------------------------
@@ -84,12 +84,15 @@ def fitness(model, batches, kept, vocab=None):
         with only_layers(model, kept):
             for b in batches:
                 b = {key: v.to(dev) for key, v in b.items()}
-                with parallel.compute_context(model, dev):  # bf16 on one GPU, as in training
-                    logits = model(input_ids=b["input_ids"], use_cache=False).logits[..., :vocab]
                 mask = b.get("mask")
                 n = b["topk_ids"].shape[:2].numel() if mask is None else int(mask.sum())
-                # topk_kd_loss is the mean over the batch's valid tokens: times n, their sum
-                kl = topk_kd_loss(logits, b["topk_ids"], b["topk_logprobs"], mask=mask)
+
+                def kl_fn(x, weight, bias, post):  # the head + top-K KL fused: no (B, T, V) logits
+                    return head_kd_loss(x, weight, bias, b["topk_ids"], b["topk_logprobs"],
+                                        mask=mask, post=post, vocab=vocab)
+                with parallel.compute_context(model, dev):  # bf16 on one GPU, as in training
+                    # the mean over the batch's valid tokens: times n, their sum
+                    kl = head_losses(model, b["input_ids"], [kl_fn])[0]
                 total[0] += kl.double() * n
                 total[1] += n
     finally:

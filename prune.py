@@ -40,10 +40,10 @@ import parallel
 from cache_teacher import TeacherCache, build_cache
 from checkpoint import Run
 from common import E3Error, print0
-from kd import sft_loss, topk_kd_loss
+from kd import head_kd_loss, next_token_targets
 from sampler import gumbel_noise, gumbel_topk, k_schedule, score_lr_schedule, tau_schedule
-from surgery import (LayerGates, check_removable, decoder_layers, export_pruned, layer_importance,
-                     lora_targets, protected_layers, remove_layers, top_k_layers)
+from surgery import (LayerGates, check_removable, decoder_layers, export_pruned, head_losses,
+                     layer_importance, lora_targets, protected_layers, remove_layers, top_k_layers)
 
 # -----------------------------------------------------------------------------
 # Settings. Flags left unset take the packaged demo's values when --model is not given (sized for a
@@ -162,6 +162,9 @@ def parse_args(argv=None):
     g.add_argument("--lora-rank", type=int, default=0,
                    help="> 0: train LoRA adapters only, merged at export (0; the paper's MoE runs)")
     g.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (2 x rank)")
+    g.add_argument("--logit-chunk", type=int, default=1024,
+                   help="tokens per chunk of the fused LM head + loss: at most N x V logits exist "
+                        "at once; lower it when memory is tight (1024)")
     g.add_argument("--plan", type=int, metavar="RANKS",
                    help="print the run's plan for RANKS ranks from config.json alone and exit")
     g = p.add_argument_group("run folder")
@@ -327,20 +330,29 @@ def calibration_batches(args, tok, cache, rank, world):
         yield (seqs[i:i + 1], None, 1) if i < len(seqs) else (seqs[:1], None, 0)
 
 
-def kd_loss(model, batch, kind, vocab, compute, with_ce=False):
+def kd_loss(model, batch, kind, vocab, compute, with_ce=False, chunk_tokens=1024):
     """The objective on one micro-batch (Sec. 3.3): `akd` = mean_i H_t(i) L_token(i) (eq. 13),
-    `kd` = mean_i L_token(i) (eq. 12), `sft` = next-token cross-entropy. The student's logits are
-    sliced to the tokenizer's vocabulary (some checkpoints pad the embedding); kd.py upcasts them
-    to fp32. with_ce: also return the cross-entropy from the same forward (validation)."""
-    with compute:
-        logits = model(input_ids=batch["input_ids"], use_cache=False).logits[..., :vocab]
+    `kd` = mean_i L_token(i) (eq. 12), `sft` = next-token cross-entropy (L_token against a one-hot
+    teacher). The LM head and the loss run fused, `chunk_tokens` tokens at a time (kd.head_kd_loss
+    inside surgery.head_losses): no (T, V) logits, in the forward or the backward. Only the
+    tokenizer's vocabulary counts (some checkpoints pad the embedding). with_ce: also the
+    cross-entropy, from the same forward (validation)."""
     ids = batch["input_ids"]
+
+    def loss(targets, logprobs, entropy=None, mask=None):
+        return lambda x, weight, bias, post: head_kd_loss(
+            x, weight, bias, targets, logprobs, entropy, mask, post, vocab, chunk_tokens)
+
+    next_ids, zeros, valid = next_token_targets(ids)  # position t predicts token t + 1
+    ce = loss(next_ids, zeros, mask=valid)  # the last position has no next token: masked
     if kind == "sft":
-        loss = sft_loss(logits, ids)
-    else:
-        entropy = batch["entropy"] if kind == "akd" else None  # H_t: weight of token i in eq. 13
-        loss = topk_kd_loss(logits, batch["topk_ids"], batch["topk_logprobs"], entropy)
-    return (loss, sft_loss(logits, ids)) if with_ce else loss
+        main = ce
+    else:  # H_t weighs token i in eq. 13 (akd); kd: every token weighs 1
+        main = loss(batch["topk_ids"], batch["topk_logprobs"],
+                    batch["entropy"] if kind == "akd" else None)
+    with compute:
+        out = head_losses(model, ids, [main, ce] if with_ce else [main])
+    return (out[0], out[1]) if with_ce else out[0]
 
 
 @torch.no_grad()
@@ -358,7 +370,8 @@ def validate(model, cache, args, rank, world, device, compute):
         # a rank past the end still runs a (dummy) forward with weight 0: under FSDP every rank
         # must join every all-gather, or the others hang
         batch = to_device(cache.get(real or [0], "val"), device)
-        kd, ce = kd_loss(model, batch, "kd", cache.vocab_size, compute, with_ce=True)
+        kd, ce = kd_loss(model, batch, "kd", cache.vocab_size, compute, with_ce=True,
+                         chunk_tokens=args.logit_chunk)
         totals += torch.tensor([kd.item() * len(real), ce.item() * len(real), len(real)],
                                dtype=torch.float64, device=device)
     common.all_reduce_sum(totals)
@@ -563,7 +576,7 @@ def cache_bytes(cache):
 def run_identity(args):
     """The arguments that define a run; --resume and logging cadence may change between
     invocations."""
-    skip = {"resume", "eval_every", "ckpt_every", "plan"}
+    skip = {"resume", "eval_every", "ckpt_every", "plan", "logit_chunk"}  # logit_chunk: memory only
     return {k: v for k, v in sorted(vars(args).items()) if k not in skip}
 
 
@@ -776,7 +789,8 @@ def main(argv=None):
             batch = to_device(source.get(rows), device)
             # the objective is a MEAN over the global batch: each micro-batch's mean, / n_micro,
             # summed over micro-batches here and averaged over ranks by FSDP's reduce-scatter
-            loss = kd_loss(model, batch, kind, vocab, compute) / n_micro
+            loss = kd_loss(model, batch, kind, vocab, compute, chunk_tokens=args.logit_chunk)
+            loss = loss / n_micro
             loss.backward()  # one backward gives dL/dTheta AND dL/dS (through the gates)
             loss_sum += loss.detach()
         # every rank gets the same number, so every rank logs it and, below, raises together

@@ -6,7 +6,9 @@ bench.py:
   LayerGates(model)               the masked forward X_{l+1} = X_l + m_l (f(X_l) - X_l)
                                   (paper Sec. 3.1)
   model_logits(model, h_L)        the model's own logits from the last layer's output: final norm,
-                                  LM head, soft-capping / logit scales
+                                  LM head, logit_transform (soft-capping / logit scales)
+  head_losses(model, ids, fns)    one forward whose LM head returns losses instead of (B, T, V)
+                                  logits (the training loss: kd.head_kd_loss, fused and chunked)
   lora_targets(layer)             the nn.Linear maps LoRA adapts (attention, dense/shared MLPs)
   layer_importance(model, ...)    s_l by KL(p_{-l} || p) with prefix reuse, chunked over tokens, or
                                   ShortGPT's BI (paper Sec. 3.2)
@@ -24,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import types
 from pathlib import Path
 
 import torch
@@ -122,20 +125,57 @@ def model_logits(model, hidden):
 
         z = post(W_out norm(h_L))
 
-    with post what the model's forward applies after the LM head: Gemma-2/3's soft-capping
-    c tanh(z / c), Granite's z / logits_scaling, Cohere's z * logit_scale. So that the KL
-    importance, the teacher cache and the student all see log_softmax(model(x).logits), not a near
-    relative."""
-    logits = model.get_output_embeddings()(final_norm(model)(hidden))
+    with post what the model's forward applies after the LM head (logit_transform). So that the
+    KL importance, the teacher cache and the student all see log_softmax(model(x).logits), not a
+    near relative."""
+    return logit_transform(model)(model.get_output_embeddings()(final_norm(model)(hidden)))
+
+
+def logit_transform(model):
+    """post(z): what the model's forward applies after the LM head, elementwise: Gemma-2/3's
+    soft-capping c tanh(z / c), Granite's z / logits_scaling, Cohere's z * logit_scale; identity
+    for the others."""
     cfg = model.config.get_text_config()
-    if (cap := getattr(cfg, "final_logit_softcapping", None)) is not None:
-        logits = torch.tanh(logits / cap) * cap
-    if (scaling := getattr(cfg, "logits_scaling", None)) is not None:  # Granite (MoE) divides
-        logits = logits / scaling
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    scaling = getattr(cfg, "logits_scaling", None)  # Granite (MoE) divides
     # Cohere multiplies by a float attribute (CLIP-like models hold a tensor of that name)
-    if (scale := getattr(model, "logit_scale", None)) is not None and not torch.is_tensor(scale):
-        logits = logits * scale
-    return logits
+    scale = getattr(model, "logit_scale", None)
+    scale = None if torch.is_tensor(scale) else scale
+
+    def post(z):
+        if cap is not None:
+            z = torch.tanh(z / cap) * cap
+        if scaling is not None:
+            z = z / scaling
+        if scale is not None:
+            z = z * scale
+        return z
+    return post
+
+
+def head_losses(model, input_ids, losses, attention_mask=None):
+    """One forward of the model whose LM head, instead of the (B, T, V) logits, returns the losses
+    `losses` ask for: each fn(x, W, b, post) -> a scalar, with x the head's input norm(h_L) at every
+    position, W and b the head's weight and bias, post = logit_transform(model). A tensor of them.
+
+    The head module is the one that runs, once, as in a plain forward: under FSDP2 its hooks gather
+    W for it and reduce-scatter the gradient the losses return for W. What the model's forward does
+    after its head (soft-capping, a logit scale) then runs on the returned losses and is dropped:
+    the losses apply post themselves."""
+    head, post = model.get_output_embeddings(), logit_transform(model)
+    out = {}
+
+    def forward(self, x):
+        # the head's output, as FSDP2 registered its backward hook on it: kept, not a copy
+        out["losses"] = torch.stack([fn(x, self.weight, getattr(self, "bias", None), post)
+                                     for fn in losses]).view(1, 1, -1)
+        return out["losses"]
+    head.forward = types.MethodType(forward, head)
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        del head.forward  # the class's forward again
+    return out["losses"].view(-1)
 
 
 def last_layer_output(model, input_ids, attention_mask=None):

@@ -311,3 +311,47 @@ def test_moe_two_fsdp_ranks_match_one_process(arch, extra, saved, corpus, tmp_pa
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-4, msg=lambda m: f"{key}: {m}")
     _, info = AutoModelForCausalLM.from_pretrained(two / "model", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "granite", "cohere", "gpt2", "opt",
+                                  "qwen3_moe"])
+def test_fused_head_loss_equals_plain_logits_path(arch):
+    """prune.kd_loss (the LM head fused with the loss, chunked: no (B, T, V) logits) against the
+    plain path written out here: model(x).logits, a float64 log-softmax, eq. 12/13 and
+    F.cross_entropy. Loss values for akd, kd, sft and validation's (kd, ce), and every parameter's
+    gradient; soft-capping, logit scales, OPT's project_out and an untied head included."""
+    import contextlib
+
+    from prune import kd_loss
+    model = tiny(arch)  # eval: GPT-2's and OPT's dropout would draw other masks in each path
+    x = ids(7, (2, 9))
+    teacher = torch.log_softmax(torch.randn(2, 9, VOCAB, generator=torch.Generator().manual_seed(1))
+                                * 3, -1)
+    lp, top = teacher.topk(5, -1)
+    ent = -(teacher.exp() * teacher).sum(-1)
+    batch = {"input_ids": x, "topk_ids": top, "topk_logprobs": lp, "entropy": ent}
+
+    def plain(kind):
+        z = model(input_ids=x, use_cache=False).logits.double()
+        if kind == "sft":
+            return torch.nn.functional.cross_entropy(z[:, :-1].reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+        per_tok = (lp.double().exp() * (lp.double() - torch.log_softmax(z, -1).gather(-1, top))).sum(-1)
+        return (per_tok * (ent.double() if kind == "akd" else 1)).mean()
+
+    for kind in ("akd", "kd", "sft"):
+        model.zero_grad()
+        ref = plain(kind)
+        ref.backward()
+        ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        got = kd_loss(model, batch, kind, VOCAB, contextlib.nullcontext(), chunk_tokens=4)
+        got.backward()
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
+        for n, p in model.named_parameters():
+            if n in ref_grads:
+                torch.testing.assert_close(p.grad, ref_grads[n].float(), rtol=1e-3, atol=1e-6,
+                                           msg=f"{kind}: {n}")
+    with torch.no_grad():
+        kd, ce = kd_loss(model, batch, "kd", VOCAB, contextlib.nullcontext(), with_ce=True)
+        torch.testing.assert_close(kd.double(), plain("kd"), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ce.double(), plain("sft"), rtol=1e-5, atol=1e-6)

@@ -2,7 +2,13 @@
 import pytest
 import torch
 
-from kd import sft_loss, topk_kd_loss
+from kd import head_kd_loss, next_token_targets
+
+
+def topk_kd_loss(logits, ids, lp, entropy=None, mask=None, chunk_tokens=1024):
+    """The loss of given logits: head_kd_loss with the identity as the head (z = h I^T = h)."""
+    eye = torch.eye(logits.shape[-1], dtype=logits.dtype)
+    return head_kd_loss(logits, eye, None, ids, lp, entropy, mask, chunk_tokens=chunk_tokens)
 
 
 def reference(student, teacher, K, weight_by_entropy, mask):
@@ -76,11 +82,68 @@ def test_chunked_gradient_equals_unchunked():
     torch.testing.assert_close(g[1], g[2])
 
 
-def test_sft_loss_ignores_padding():
+def test_cross_entropy_ignores_padding():
     torch.manual_seed(4)
     logits, ids = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
     mask = torch.ones(2, 5, dtype=torch.bool)
     mask[1, 2:] = False
     lp = torch.log_softmax(logits.double(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
     valid = mask[:, 1:]
-    torch.testing.assert_close(sft_loss(logits, ids, mask).double(), -lp[valid].mean())
+    targets, zeros, counted = next_token_targets(ids, mask)
+    torch.testing.assert_close(topk_kd_loss(logits, targets, zeros, mask=counted).double(),
+                               -lp[valid].mean())
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 10_000])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_fused_head_loss_equals_float64_logits_path(chunk, softcap):
+    """head_kd_loss (LM head + loss fused, chunked, gradients made in the forward) against float64
+    autograd through the whole logits: loss and the gradients of h, W and b; entropy weights, a
+    padding mask, and a head with 2 padding rows past the vocabulary (no gradient there)."""
+    torch.manual_seed(5)
+    B, T, d, V, K = 2, 7, 6, 30, 4
+    h = torch.randn(B, T, d, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(V + 2, d, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(V + 2, dtype=torch.float64, requires_grad=True)
+    lt = torch.log_softmax(torch.randn(B, T, V, dtype=torch.float64) * 2, -1)
+    lp, ids = lt.topk(K, -1)
+    ent = -(lt.exp() * lt).sum(-1)
+    mask = torch.rand(B, T, generator=torch.Generator().manual_seed(0)) > 0.3
+    post = (lambda z: softcap * torch.tanh(z / softcap)) if softcap else None
+
+    z = (h @ W.t() + b)[..., :V]  # the reference: the whole (B, T, V) logits, float64
+    z = post(z) if post else z
+    ls = torch.log_softmax(z, -1)
+    per_tok = (lp.exp() * (lp - ls.gather(-1, ids))).sum(-1) * ent
+    ref = per_tok[mask].sum() / mask.sum()
+    ref_grads = torch.autograd.grad(ref * 0.25, (h, W, b))  # 0.25: a micro-batch's 1 / n_micro
+
+    hf, Wf, bf = (t.detach().float().requires_grad_(True) for t in (h, W, b))
+    got = head_kd_loss(hf, Wf, bf, ids, lp.float(), ent.float(), mask, post=post, vocab=V,
+                       chunk_tokens=chunk)
+    (got * 0.25).backward()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
+    for t, r in zip((hf, Wf, bf), ref_grads):
+        torch.testing.assert_close(t.grad.double(), r, rtol=1e-4, atol=1e-6)
+    assert Wf.grad[V:].abs().sum() == 0 and hf.grad[~mask].abs().sum() == 0
+    with torch.no_grad():  # validation's path: the loss alone, the same number
+        torch.testing.assert_close(head_kd_loss(hf, Wf, bf, ids, lp.float(), ent.float(), mask,
+                                                post=post, vocab=V, chunk_tokens=chunk), got)
+
+
+def test_next_token_targets_give_cross_entropy():
+    """Cross-entropy as top-1 KD against a one-hot teacher: equals F.cross_entropy in float64 on
+    the next tokens, the last position and padded positions (and the ones before them) excluded."""
+    torch.manual_seed(6)
+    B, T, d, V = 2, 9, 5, 17
+    h, W = torch.randn(B, T, d, dtype=torch.float64), torch.randn(V, d, dtype=torch.float64)
+    x = torch.randint(0, V, (B, T))
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 6:] = False
+    ids, lp, valid = next_token_targets(x, mask)
+    got = head_kd_loss(h.float(), W.float(), None, ids, lp, mask=valid, chunk_tokens=4)
+    logits, labels = (h @ W.t())[:, :-1], x[:, 1:].clone()
+    labels[~mask[:, 1:]] = -100
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, V), labels.reshape(-1),
+                                            ignore_index=-100)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
