@@ -3,7 +3,7 @@ Benchmarks with a goal each (issue: "performance targets go in benchmarks, never
 tests"). Every benchmark times two things side by side in one run, alternating, after a warm-up
 round, and prints one line `name: ratio (goal ...)` with the median of the per-round ratios.
 
-    python bench.py               # all six on the packaged SmolLM2-135M: a few minutes on a CPU
+    python bench.py               # all seven on the packaged SmolLM2-135M: a few minutes on a CPU
     python bench.py search init   # some, by name
 
     search    a Gumbel-TopK search step (all L layers run, masked) / a plain KD step of the same
@@ -14,6 +14,7 @@ round, and prints one line `name: ratio (goal ...)` with the median of the per-r
     caching   teacher-caching throughput / plain teacher-forward throughput; bytes per token
     init      KL importance with prefix reuse / the naive L+1 full forwards
     speedup   the exported k-layer model's prefill and decode speedup / the matmul-FLOP ideal
+    fused     a training step with the LM head and the loss fused, chunked / the plain logits path
 """
 import statistics
 import sys
@@ -301,8 +302,42 @@ def bench_speedup(batch=1, prompt_len=512, gen_len=32, repeats=5):
                f"batch {batch}, prompt {prompt_len}, {gen_len} new tokens, {device}")
 
 
+def bench_fused(seq_len=512, batch=1, repeats=5):
+    """7. The LM head fused with the loss, in chunks of prune.py's --logit-chunk (prune.kd_loss: no
+    (T, V) logits, three head matmuls as the plain path has) / the plain path written out:
+    model(x).logits, an fp32 log-softmax over all of them, eq. 13. A memory saving that should cost
+    no time."""
+    device = _device()
+    model, tok = _trainable(device=device)
+    vocab, chunk = common.vocab_size(tok), prune_args().logit_chunk  # prune.py's default chunk
+    b = _kd_batch(model, tok, seq_len, batch)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    compute = parallel.compute_context(model, device)
+
+    def fused_step():
+        prune.kd_loss(model, b, "akd", vocab, compute, chunk_tokens=chunk).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def plain_step():
+        with compute:
+            logits = model(input_ids=b["input_ids"], use_cache=False).logits[..., :vocab]
+        logp_s = F.log_softmax(logits.float(), -1).gather(-1, b["topk_ids"])
+        logp_t = b["topk_logprobs"].float()
+        per_token = (logp_t.exp() * (logp_t - logp_s)).sum(-1)  # eq. 12's L_token
+        (b["entropy"] * per_token).mean().backward()  # eq. 13
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    t_fused, t_plain, ratios = side_by_side(fused_step, plain_step, repeats, device)
+    report("fused", ratios, "<= 1.05", "x the plain logits + loss step",
+           f"{t_fused * 1e3:.0f} vs {t_plain * 1e3:.0f} ms, {batch} x {seq_len} tokens, "
+           f"chunks of {chunk} tokens, V = {vocab}")
+
+
 BENCHES = {"search": bench_search, "finetune": bench_finetune, "offline": bench_offline,
-           "caching": bench_caching, "init": bench_init, "speedup": bench_speedup}
+           "caching": bench_caching, "init": bench_init, "speedup": bench_speedup,
+           "fused": bench_fused}
 
 
 def main():

@@ -92,7 +92,7 @@ class _HeadTokenLosses(torch.autograd.Function):
 
 
 def head_kd_loss(hidden, weight, bias, topk_ids, topk_logprobs, entropy=None, mask=None,
-                 post=None, vocab=None, chunk_tokens=1024):
+                 post=None, vocab=None, chunk_tokens=256):
     """The top-K KD loss, a scalar: eq. 12 (entropy None: kd) or eq. 13 (entropy (B, T) = H_t: akd)
     of the student logits z = post(hidden W^T + b)[..., :vocab], which are never made whole.
     hidden (B, T, d); the head's weight (V, d) and bias (V) or None; topk_ids, topk_logprobs

@@ -14,6 +14,7 @@ prune.py calls these the same way in one process and under torchrun, and never a
   mean_over_ranks(x), average_grad(p)     all-reduce for what lives outside FSDP (the scores S)
   full_state_dict(model)                  the whole fp32 state on rank 0's CPU (export); others {}
   tied_lookup_adds_rows(model)            a tied embedding's backward adds its rows into the grad
+  head_not_gathered_in_backward(model)    the fused loss made W's gradient in the forward: no gather
 """
 import contextlib
 import types
@@ -104,6 +105,19 @@ def free_embedding_in_backward(model):
             return None
         return (_AfterBackward.apply(args[0], head.reshard), *args[1:])
     head.register_forward_pre_hook(wrap_input)
+
+
+def head_not_gathered_in_backward(model):
+    """For a model trained only through surgery.head_losses (prune.py): the fused head + loss
+    (kd.head_kd_loss) makes the LM head's weight gradient in its forward and saves no weight, so
+    the backward never reads W. FSDP2 would gather the head's unit again for it: a V x d
+    all-gather a micro-batch (1.5 GB in bf16 for Qwen3-32B's head), held beside the gradient.
+    Tied, the unit is the embedding's too, whose backward needs no W either (free_embedding_in_
+    backward). A plain backward through model(x).logits would then fail: not for other callers."""
+    head = model.get_output_embeddings()
+    if isinstance(head, FSDPModule):
+        head.set_unshard_in_backward(False)
+    return model
 
 
 # CPU ranks (gloo): gloo's all-gather and reduce-scatter copy the whole tensor through a buffer of

@@ -162,9 +162,9 @@ def parse_args(argv=None):
     g.add_argument("--lora-rank", type=int, default=0,
                    help="> 0: train LoRA adapters only, merged at export (0; the paper's MoE runs)")
     g.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (2 x rank)")
-    g.add_argument("--logit-chunk", type=int, default=1024,
+    g.add_argument("--logit-chunk", type=int, default=256,
                    help="tokens per chunk of the fused LM head + loss: at most N x V logits exist "
-                        "at once; lower it when memory is tight (1024)")
+                        "at once; lower it when memory is tight, raise it for GPU throughput (256)")
     g.add_argument("--plan", type=int, metavar="RANKS",
                    help="print the run's plan for RANKS ranks from config.json alone and exit")
     g = p.add_argument_group("run folder")
@@ -276,7 +276,10 @@ def build_student(args, device, rank, world, kept=None):
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     parallel.tied_lookup_adds_rows(model)  # a tied head: two fewer V x d gradients a micro-batch
-    return parallel.distribute(model, device, rank, world).train(), tok
+    model = parallel.distribute(model, device, rank, world)
+    # every training forward here is kd_loss's fused head + loss: W is not needed in the backward
+    parallel.head_not_gathered_in_backward(model)
+    return model.train(), tok
 
 
 def make_optimizer(model, args, carried=None):
@@ -330,7 +333,7 @@ def calibration_batches(args, tok, cache, rank, world):
         yield (seqs[i:i + 1], None, 1) if i < len(seqs) else (seqs[:1], None, 0)
 
 
-def kd_loss(model, batch, kind, vocab, compute, with_ce=False, chunk_tokens=1024):
+def kd_loss(model, batch, kind, vocab, compute, with_ce=False, chunk_tokens=256):
     """The objective on one micro-batch (Sec. 3.3): `akd` = mean_i H_t(i) L_token(i) (eq. 13),
     `kd` = mean_i L_token(i) (eq. 12), `sft` = next-token cross-entropy (L_token against a one-hot
     teacher). The LM head and the loss run fused, `chunk_tokens` tokens at a time (kd.head_kd_loss

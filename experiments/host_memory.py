@@ -19,6 +19,7 @@ ends):
     python experiments/host_memory.py --nproc 2 --model DIR
     python experiments/host_memory.py --nproc 1 --profile  # + torch.profiler's allocations of the
                                                            # second search step, largest first
+    python experiments/host_memory.py --logit-chunk 32     # prune.py's --logit-chunk
 
 The goal it checks (issue 14): every phase's per-rank peak <= import + 16 B/param / ranks + 0.5 GB.
 """
@@ -129,7 +130,7 @@ def random_llama(path, tied=True):
     AutoTokenizer.from_pretrained(common.default_model()).save_pretrained(path)
 
 
-def measure(model, nproc, tmp, profile=False):
+def measure(model, nproc, tmp, profile=False, extra_args=()):
     """Peaks (MB) of each phase, the max over ranks: a fresh run, then --resume of its last
     checkpoint."""
     report = Path(tmp) / f"report-{nproc}"
@@ -148,7 +149,7 @@ def measure(model, nproc, tmp, profile=False):
     argv = ["--model", model, "--keep", str(layers // 2), "--steps", "4", "--search-frac", "0.5",
             "--seq-len", "128", "--batch-size", "4", "--micro-batch", "1", "--n-calib", "4",
             "--warmup", "1", "--eval-every", "100", "--ckpt-every", "3",
-            "--out", str(Path(tmp) / f"run-{nproc}")]
+            "--out", str(Path(tmp) / f"run-{nproc}"), *extra_args]
     # the resume redoes step 4 from the step-3 checkpoint and re-exports
     for extra in ([], ["--resume"]):
         proc = subprocess.run(launcher + [__file__, "--rank-main", *argv, *extra], env=env,
@@ -176,7 +177,10 @@ def main():
     p.add_argument("--json", help="also write the table here")
     p.add_argument("--profile", action="store_true",
                    help="also print torch.profiler's allocations of the second search step")
+    p.add_argument("--logit-chunk", type=int,
+                   help="prune.py's --logit-chunk (tokens per chunk of the fused head + loss)")
     a = p.parse_args()
+    extra = ["--logit-chunk", str(a.logit_chunk)] if a.logit_chunk else []
     with tempfile.TemporaryDirectory() as tmp:
         model = a.model or str(Path(tmp) / "llama")
         if a.model is None:
@@ -189,7 +193,7 @@ def main():
                 params += sum(_numel(st.get_slice(k).get_shape()) for k in st.keys())
         print(f"model: {model}, {params / 1e6:.1f}M parameters "
               f"({4 * params / 2**20:.0f} MB fp32)", flush=True)
-        table = {n: measure(model, n, tmp, a.profile) for n in a.nproc}
+        table = {n: measure(model, n, tmp, a.profile, extra) for n in a.nproc}
     header = "".join(f"{f'{n} rank(s)':>12}" for n in a.nproc)
     print(f"{'phase':<12}" + header + "   (peak MB per rank)")
     for phase in PHASES:
