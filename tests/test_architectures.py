@@ -160,7 +160,8 @@ def file_dtypes(folder, kept=None):
     """name -> dtype of each tensor in a checkpoint's safetensors file, as stored. With `kept`
     (the pruned file's layer i is the source's layer kept[i]) the names are the source's."""
     f = safe_open(str(folder / "model.safetensors"), "pt")
-    rename = (lambda k: k) if kept is None else (  # "...layers.2." / "...h.2." -> the source's index
+    # "...layers.2." / "...h.2." -> the source's layer index
+    rename = (lambda k: k) if kept is None else (
         lambda k: re.sub(r"\b(layers|h)\.(\d+)\.", lambda m: f"{m[1]}.{kept[int(m[2])]}.", k, 1))
     return {rename(k): f.get_slice(k).get_dtype() for k in f.keys()}
 
@@ -334,8 +335,10 @@ def test_fused_head_loss_equals_plain_logits_path(arch):
     def plain(kind):
         z = model(input_ids=x, use_cache=False).logits.double()
         if kind == "sft":
-            return torch.nn.functional.cross_entropy(z[:, :-1].reshape(-1, VOCAB), x[:, 1:].reshape(-1))
-        per_tok = (lp.double().exp() * (lp.double() - torch.log_softmax(z, -1).gather(-1, top))).sum(-1)
+            return torch.nn.functional.cross_entropy(z[:, :-1].reshape(-1, VOCAB),
+                                                     x[:, 1:].reshape(-1))
+        lpd = lp.double()
+        per_tok = (lpd.exp() * (lpd - torch.log_softmax(z, -1).gather(-1, top))).sum(-1)
         return (per_tok * (ent.double() if kind == "akd" else 1)).mean()
 
     for kind in ("akd", "kd", "sft"):
