@@ -51,20 +51,22 @@ def _head_losses(h, weight, bias, post, ids, logprobs, w, chunk, need=(False, Fa
     dL/dW = sum dz^T h, dL/db = sum dz. Three matmuls, as the unfused head + loss has."""
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     dh = torch.empty_like(h) if need[0] else None
-    # accumulated in place, one V x d buffer: autograd summing per-chunk products would hold two
-    # (in the head's dtype: under FSDP's bf16 params, one rounding per chunk)
-    dW = torch.zeros_like(weight) if need[1] else None
-    db = torch.zeros_like(bias) if need[2] else None
+    # accumulated in place, one V x d buffer (autograd summing per-chunk products would hold two),
+    # in at least fp32: a bf16 sum over many chunks drifts; autograd rounds it to W's dtype once
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    dW = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need[1] else None
+    db = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need[2] else None
+    if torch.is_autocast_enabled(h.device.type):  # one GPU: cast W to bf16 once, not per chunk
+        cast = torch.get_autocast_dtype(h.device.type)
+        weight, bias = weight.to(cast), bias.to(cast) if bias is not None else None
     for a in range(0, h.shape[0], chunk):
         sl = slice(a, a + chunk)
         loss, dz = _chunk_grads(h[sl], weight, bias, post, ids[sl], logprobs[sl], w[sl], any(need))
         total += loss
         if dh is not None:
             dh[sl] = dz @ weight
-        if dW is not None and dz.dtype == h.dtype == dW.dtype:
-            dW.addmm_(dz.t(), h[sl])
-        elif dW is not None:  # autocast (one GPU): bf16 dz and h, an fp32 weight
-            dW += dz.t() @ h[sl]
+        if dW is not None:  # the chunk's product in the compute dtype, summed in fp32
+            dW += dz.t() @ h[sl].to(dz.dtype)
         if db is not None:
             db += dz.sum(0)
     return total, dh, dW, db
@@ -85,6 +87,9 @@ class _HeadTokenLosses(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        if ctx.grads is None:
+            raise RuntimeError("head_kd_loss supports one backward (its gradients were made in the "
+                               "forward, and no graph is kept for a second or higher-order one)")
         grads, ctx.grads = ctx.grads, None
         # g: dObjective/dLoss, a scalar (1 / N, 1 / the micro-batch count...); in place, no copy
         scaled = [t.mul_(g.to(t.dtype)) if t is not None else None for t in grads]

@@ -682,6 +682,8 @@ def main(argv=None):
         raise E3Error(f"--masks-per-step {args.masks_per_step} must divide the "
                       f"{args.batch_size // args.micro_batch} micro-batches of a step "
                       f"(--batch-size / --micro-batch): each draw gets the same share of the batch")
+    if args.logit_chunk < 1:
+        raise E3Error(f"--logit-chunk must be at least 1 token; got {args.logit_chunk}")
     args.out = args.out or f"runs/{Path(args.model).name}-keep{args.keep}"
     # the shape of the model from its config alone (meta device): every input is checked before
     # any work

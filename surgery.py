@@ -166,15 +166,20 @@ def head_losses(model, input_ids, losses, attention_mask=None):
     out = {}
 
     def forward(self, x):
-        # the head's output, as FSDP2 registered its backward hook on it: kept, not a copy
+        # the head's output, as FSDP2 registered its backward hook on it: kept, not a copy (and no
+        # view, which FSDP2 warns about)
         out["losses"] = torch.stack([fn(x, self.weight, getattr(self, "bias", None), post)
-                                     for fn in losses]).view(1, 1, -1)
+                                     .reshape(1, 1) for fn in losses], dim=-1)
         return out["losses"]
+    before = head.__dict__.get("forward")  # an instance-level forward someone set (hooks): kept
     head.forward = types.MethodType(forward, head)
     try:
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     finally:
-        del head.forward  # the class's forward again
+        if before is None:
+            del head.forward  # the class's forward again
+        else:
+            head.forward = before
     return out["losses"].view(-1)
 
 

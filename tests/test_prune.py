@@ -269,6 +269,8 @@ def test_bad_inputs_fail_with_one_line(single_run, make_tiny, corpus, tmp_path):
         a[a.index("--keep") + 1] = keep
         assert_one_line_error(run(a, tmp_path, check=False), "--keep")
     assert_one_line_error(run(tiny_args(str(tmp_path / "nope"), corpus, new), tmp_path, check=False), "model")
+    assert_one_line_error(run(tiny_args(model, corpus, new, "--logit-chunk", "0"), tmp_path, check=False),
+                          "--logit-chunk")
     assert_one_line_error(run(tiny_args(model, str(tmp_path / "nope.txt"), new), tmp_path, check=False), "data")
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
