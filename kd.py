@@ -65,7 +65,9 @@ def _head_losses(h, weight, bias, post, ids, logprobs, w, chunk, need=(False, Fa
         total += loss
         if dh is not None:
             dh[sl] = dz @ weight
-        if dW is not None:  # the chunk's product in the compute dtype, summed in fp32
+        if dW is not None and dz.dtype == dW.dtype:  # fp32: in place, no V x d temporary
+            dW.addmm_(dz.t(), h[sl].to(dz.dtype))
+        elif dW is not None:  # bf16: the chunk's product in bf16 (half a V x d), summed in fp32
             dW += dz.t() @ h[sl].to(dz.dtype)
         if db is not None:
             db += dz.sum(0)
