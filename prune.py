@@ -346,15 +346,17 @@ def kd_loss(model, batch, kind, vocab, compute, with_ce=False, chunk_tokens=256)
         return lambda x, weight, bias, post: head_kd_loss(
             x, weight, bias, targets, logprobs, entropy, mask, post, vocab, chunk_tokens)
 
-    next_ids, zeros, valid = next_token_targets(ids)  # position t predicts token t + 1
-    ce = loss(next_ids, zeros, mask=valid)  # the last position has no next token: masked
+    def ce():  # position t predicts token t + 1; the last position has none: masked
+        next_ids, zeros, valid = next_token_targets(ids)
+        return loss(next_ids, zeros, mask=valid)
+
     if kind == "sft":
-        main = ce
+        main = ce()
     else:  # H_t weighs token i in eq. 13 (akd); kd: every token weighs 1
         main = loss(batch["topk_ids"], batch["topk_logprobs"],
                     batch["entropy"] if kind == "akd" else None)
     with compute:
-        out = head_losses(model, ids, [main, ce] if with_ce else [main])
+        out = head_losses(model, ids, [main, ce()] if with_ce else [main])
     return (out[0], out[1]) if with_ce else out[0]
 
 
