@@ -4,6 +4,7 @@ prune.py calls these the same way in one process and under torchrun, and never a
 
   distribute(model, device, rank, world)  one process: .to(device); torchrun: sharded from rank 0
   parallelize(model, device)              fully_shard each decoder layer, then the root
+  vocab_parallel(model, device, dtype)    the embedding and the LM head split by vocabulary rows
   free_embedding_in_backward(model)       the embedding's weight is not gathered for its backward
   ChunkedAllGather, ChunkedReduceScatter  gloo's collectives in pieces (no whole-unit buffer)
   load_from_rank0(model, state, ...)      rank 0 read the checkpoint; every rank receives its shards
@@ -15,6 +16,8 @@ prune.py calls these the same way in one process and under torchrun, and never a
   full_state_dict(model)                  the whole fp32 state on rank 0's CPU (export); others {}
   tied_lookup_adds_rows(model)            a tied embedding's backward adds its rows into the grad
   head_not_gathered_in_backward(model)    the fused loss made W's gradient in the forward: no gather
+(free_embedding_in_backward, tied_lookup_adds_rows, head_not_gathered_in_backward: for an embedding
+or head that vocab_parallel could not take, and in one process.)
 """
 import contextlib
 import types
@@ -26,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from common import all_reduce_sum
+from kd import VocabShard
 from surgery import decoder_layers
 
 
@@ -34,11 +38,12 @@ def is_sharded(model):
 
 
 def parallelize(model, device):
-    """FSDP2 (torchtitan's layout): each decoder layer its own unit, the input embedding and the LM
-    head their own (one unit when tied: a shared weight must live in one), then the root (the final
-    norm and what is left). bf16 compute with fp32 master weights, fp32 gradient reduction on GPU;
-    fp32 on CPU. Small units bound what a rank holds whole at once: a layer while it computes, the
-    embedding around its lookup, the head around the logits (at V = 152K: 2.5 GB in fp32)."""
+    """FSDP2 (torchtitan's layout): each decoder layer its own unit, then the root (the final norm
+    and what is left); the input embedding and the LM head split by vocabulary rows outside FSDP
+    (vocab_parallel), or, where they cannot be, their own units (one when tied: a shared weight
+    must live in one). bf16 compute with fp32 master weights, fp32 gradient reduction on GPU; fp32
+    on CPU. Small units bound what a rank holds whole at once: a layer while it computes; the V x d
+    weights (at V = 152K: 2.5 GB in fp32) are never whole in training."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     # Per-layer units let FSDP all-gather one layer while the previous one computes, and let the
     # pruned layers' units disappear from the module tree after the search (drop_removed_layers).
@@ -47,12 +52,16 @@ def parallelize(model, device):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=mp)
+    # the embedding and the LM head split by vocabulary rows (below), outside FSDP: never gathered
+    # for training; what cannot be (a scaled embedding, say) is FSDP's unit as any other
+    rows = vocab_parallel(model, device, mp.param_dtype)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embed.weight
     units = [[embed, head]] if tied else [m for m in (embed, head) if m is not None]
     for unit in units:
-        fully_shard(unit, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        if not any(m is unit or (isinstance(unit, list) and m in unit) for m in rows):
+            fully_shard(unit, mp_policy=mp)
+    fully_shard(model, mp_policy=mp, ignored_params={p for m in rows for p in m.parameters()})
     free_embedding_in_backward(model)
     if torch.distributed.get_backend() == "gloo":  # CPU ranks: collectives in pieces (see below)
         for m in model.modules():
@@ -65,7 +74,8 @@ def parallelize(model, device):
 def _plain_lookup(embed):
     """An nn.Embedding whose backward needs the ids and dL/dx only, never the weight's values
     (F.embedding, or _LookupAddsRows below; max_norm would rewrite the weight in forward)."""
-    return isinstance(embed, nn.Embedding) and embed.max_norm is None and not embed.sparse
+    return (isinstance(embed, nn.Embedding) and embed.max_norm is None and not embed.sparse
+            and not embed.scale_grad_by_freq)
 
 
 class _AfterBackward(torch.autograd.Function):
@@ -113,7 +123,8 @@ def head_not_gathered_in_backward(model):
     the backward never reads W. FSDP2 would gather the head's unit again for it: a V x d
     all-gather a micro-batch (1.5 GB in bf16 for Qwen3-32B's head), held beside the gradient.
     Tied, the unit is the embedding's too, whose backward needs no W either (free_embedding_in_
-    backward). A plain backward through model(x).logits would then fail: not for other callers."""
+    backward). A plain backward through model(x).logits would then fail: not for other callers.
+    (A vocabulary-parallel head, vocab_parallel, is no FSDP unit: nothing to switch.)"""
     head = model.get_output_embeddings()
     if isinstance(head, FSDPModule):
         head.set_unshard_in_backward(False)
@@ -205,8 +216,8 @@ def drop_removed_layers(model):
 
 
 def reshard(model):
-    """Put every FSDP unit back to its shards. FSDP2 leaves the root unit (embeddings, LM head)
-    gathered after a forward until the backward that follows; after a no-grad forward (validation,
+    """Put every FSDP unit back to its shards. FSDP2 leaves the root unit (the final norm; the
+    embeddings and LM head where they are FSDP's) gathered after a forward until the backward that follows; after a no-grad forward (validation,
     importance) no backward follows, and the module then holds the full tensors: an optimizer built
     from model.parameters() at that moment would hold those instead of the shards and never train
     the root. A no-op in one process."""
@@ -278,16 +289,10 @@ class _LookupAddsRows(torch.autograd.Function):
         ids, rows = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
         if ctx.padding_idx is not None:  # nn.Embedding's rule: the padding row gets no gradient
             rows = rows.masked_fill((ids == ctx.padding_idx)[:, None], 0)
-        # each distinct row summed in (at least) fp32 first, then added once: one rounding per
-        # row in bf16, as the dense path has (and no racing duplicate indices on a GPU)
-        uniq, inverse = ids.unique(return_inverse=True)
-        acc = torch.promote_types(rows.dtype, torch.float32)  # fp32, or fp64 when it is
-        summed = torch.zeros(len(uniq), rows.shape[1], dtype=acc, device=rows.device)
-        summed.index_add_(0, inverse, rows.to(acc))
         if weight.grad is None:  # the head's gradient comes first (backward order), unless frozen
             weight.grad = torch.zeros_like(weight)
         # the weight FSDP2 computes with (gathered): its post-backward reduce-scatters this .grad
-        weight.grad.index_add_(0, uniq, summed.to(weight.grad.dtype))
+        _add_rows(weight.grad, ids, rows)
         return None, None, None, None
 
 
@@ -308,3 +313,163 @@ def tied_lookup_adds_rows(model):
         return _LookupAddsRows.apply(anchor, (self.weight,), ids, self.padding_idx)
     embed.forward = types.MethodType(forward, embed)
     return model
+
+
+# -----------------------------------------------------------------------------
+# The vocabulary-parallel embedding and LM head (Megatron-LM's layout, inside FSDP2's data parallelism)
+#
+# FSDP2 gathers a unit whole to compute with it, and the largest unit is the V x d embedding / head
+# (Qwen3-32B: 152K x 5120, 3.1 GB fp32; SmolLM2: a third of all weights): held gathered beside its
+# gradient at the end of every head forward, it is most of what a rank holds above its shards. Split
+# by vocabulary rows instead, rank r keeps rows [r c, (r + 1) c) of E and W for good (c = ceil(V / world))
+# (a DTensor Shard(0), what DCP saves and reshards) and the ranks exchange tokens, not weights:
+#   lookup:      every rank's ids gathered, each rank looks up those among its rows, the sum over
+#                ranks scattered back (each row lives on exactly one rank): tokens x d a call;
+#   loss:        kd.head_kd_loss: each rank its rows' logits for every rank's tokens, softmax's max
+#                and sum and the top-K logits all-reduced; its dL/dW whole for its rows;
+#   plain head:  model(x).logits (validation, importance, a teacher) gathers W as FSDP would.
+
+def _add_rows(grad, ids, rows, scale=1.0):
+    """grad[ids] += scale * rows, each distinct row summed in (at least) fp32 first and added once:
+    one rounding per row in bf16, as the dense path has (and no racing duplicate indices on a GPU)."""
+    uniq, inverse = ids.unique(return_inverse=True)
+    acc = torch.promote_types(rows.dtype, torch.float32)  # fp32, or fp64 when it is
+    summed = torch.zeros(len(uniq), rows.shape[1], dtype=acc, device=rows.device)
+    summed.index_add_(0, inverse, rows.to(acc))
+    grad.index_add_(0, uniq, summed.mul_(scale).to(grad.dtype))
+
+
+def _local_grad(weight):
+    """The local rows of weight.grad (a DTensor), created as zeros if none yet, to add into."""
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    return weight.grad.to_local()
+
+
+class _VocabParallelLookup(torch.autograd.Function):
+    """x = E[ids] with E's rows split over the ranks and each rank its own ids (see above). The
+    backward gathers every rank's dL/dx and adds the rows of its ids into its shard of E.grad, / world
+    (FSDP's mean over ranks). E reaches the node in a tuple (`anchor` keeps it in the graph, as in
+    _LookupAddsRows): its gradient is added in place, no dense (V / world) x d tensor a micro-batch."""
+
+    @staticmethod
+    def forward(ctx, anchor, holder, ids, padding_idx, dtype):
+        weight = holder[0]
+        shard, rows = VocabShard(weight), weight.to_local()
+        (every,) = shard.gather_tokens(ids.reshape(-1))
+        local = every - shard.start
+        here = (local >= 0) & (local < rows.shape[0])
+        x = rows.new_zeros(len(every), rows.shape[1])
+        x[here] = rows[local[here]]
+        # summed over ranks: each token's row, from the rank that has it (one non-zero addend: the
+        # cast to the compute dtype first is exact, and halves the bytes in bf16)
+        x = shard.scatter_tokens(x.to(dtype or x.dtype))
+        ctx.save_for_backward(every)
+        ctx.holder, ctx.padding_idx, ctx.shard = holder, padding_idx, shard
+        return x.view(*ids.shape, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (every,), weight, shard = ctx.saved_tensors, ctx.holder[0], ctx.shard
+        (rows,) = shard.gather_tokens(grad.reshape(-1, grad.shape[-1]))  # every rank's dL/dx
+        local = every - shard.start
+        here = (local >= 0) & (local < weight.to_local().shape[0])
+        if ctx.padding_idx is not None:  # nn.Embedding's rule: the padding row gets no gradient
+            here &= every != ctx.padding_idx
+        _add_rows(_local_grad(weight), local[here], rows[here], 1.0 / shard.world)
+        return None, None, None, None, None
+
+
+class _GatheredRowsLinear(torch.autograd.Function):
+    """y = h W^T + b with W's rows split over the ranks, for a caller that wants the logits whole
+    (validation, importance, a sharded teacher): W gathered for the forward and again for the
+    backward, dL/dW reduce-scattered to its rows / world: what FSDP2 does for a unit."""
+
+    @staticmethod
+    def forward(ctx, h, rows, bias, shard, dtype):
+        ctx.save_for_backward(h, rows, bias)
+        ctx.shard, ctx.dtype, ctx.V = shard, dtype, shard.V
+        W, b = _gather_rows(shard, ctx.V, rows, bias, dtype)
+        return nn.functional.linear(h.to(W.dtype), W, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        h, rows, bias = ctx.saved_tensors
+        shard = ctx.shard
+        W, _ = _gather_rows(shard, ctx.V, rows, None, ctx.dtype)
+        g2, h2 = g.reshape(-1, g.shape[-1]), h.reshape(-1, h.shape[-1])
+        dh = (g2 @ W).view(h.shape).to(h.dtype) if ctx.needs_input_grad[0] else None
+        dW = db = None  # (the flags are the same on every rank: the collectives below match)
+        if ctx.needs_input_grad[1]:  # a frozen head (LoRA): no V x d gradient, no collective
+            # every rank's dL/dW for all rows (its own tokens), padded to the gather's layout,
+            # summed onto the rows' ranks
+            dW = torch.zeros(shard.world * shard.n_max, W.shape[1], dtype=torch.float32,
+                             device=g.device)
+            dW[:ctx.V] = g2.float().t() @ h2.float()
+            dW = shard.scatter_tokens(dW).div_(shard.world).to(rows.dtype)
+        if bias is not None and ctx.needs_input_grad[2]:
+            db = torch.zeros(shard.world * shard.n_max, dtype=torch.float32, device=g.device)
+            db[:ctx.V] = g2.float().sum(0)
+            db = shard.scatter_tokens(db).div_(shard.world).to(bias.dtype)
+        return dh, dW, db, None, None
+
+
+def _gather_rows(shard, V, rows, bias, dtype):
+    """W (V, d) and b whole from every rank's rows (cast to `dtype` first: half the bytes in bf16)."""
+    cast = dtype or rows.dtype
+    W = shard.gather_tokens(rows.to(cast))[0][:V]
+    b = shard.gather_tokens(bias.to(cast))[0][:V] if bias is not None else None
+    return W, b
+
+
+def _shard_rows(param, mesh, device):
+    """param (V, ...) as a Parameter holding this rank's rows only (a DTensor Shard(0): torch.chunk's
+    split), copied to `device` so that the full tensor can be freed; on the meta device it stays."""
+    from torch.distributed.tensor import DTensor, Shard
+    rank, world = mesh.get_local_rank(), mesh.size()
+    pieces = torch.chunk(param.detach(), world)  # fewer than world when V is tiny: empty shards
+    local = pieces[rank] if rank < len(pieces) else param.detach()[:0]
+    local = local if local.is_meta else local.to(device, copy=True)
+    return nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                           shape=param.shape, stride=param.stride()),
+                        requires_grad=param.requires_grad)
+
+
+def vocab_parallel(model, device, dtype=None):
+    """Split a plain nn.Embedding's and a plain nn.Linear LM head's weights by vocabulary rows over
+    the ranks (tied: the one weight), and give them the forwards above; `dtype`: the compute dtype
+    (FSDP's bf16 on GPU). Returns the modules done (their weights are for FSDP to ignore). A tied
+    weight whose embedding is not a plain lookup (Gemma's scaled one) stays FSDP's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embed.weight
+    lookup = _plain_lookup(embed) and type(embed).forward is nn.Embedding.forward
+    linear = isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward
+    if tied and not (lookup and linear):
+        return []
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    done = []
+    if lookup:
+        embed.weight = _shard_rows(embed.weight, mesh, device)
+        anchor = torch.zeros((), requires_grad=True)
+
+        def lookup_forward(self, ids):  # a frozen E (LoRA): no backward node at all
+            a = anchor if self.weight.requires_grad and torch.is_grad_enabled() else anchor.detach()
+            return _VocabParallelLookup.apply(a, (self.weight,), ids, self.padding_idx, dtype)
+        embed.forward = types.MethodType(lookup_forward, embed)
+        done.append(embed)
+    if linear:
+        if tied:
+            head.weight = embed.weight
+        else:
+            head.weight = _shard_rows(head.weight, mesh, device)
+        if head.bias is not None:
+            head.bias = _shard_rows(head.bias, mesh, device)
+
+        def head_forward(self, h):
+            bias = self.bias.to_local() if self.bias is not None else None
+            return _GatheredRowsLinear.apply(h, self.weight.to_local(), bias,
+                                             VocabShard(self.weight), dtype)
+        head.forward = types.MethodType(head_forward, head)
+        done.append(head)
+    return done

@@ -159,7 +159,9 @@ def head_losses(model, input_ids, losses, attention_mask=None):
     position, W and b the head's weight and bias, post = logit_transform(model). A tensor of them.
 
     The head module is the one that runs, once, as in a plain forward: under FSDP2 its hooks gather
-    W for it and reduce-scatter the gradient the losses return for W. What the model's forward does
+    W for it and reduce-scatter the gradient the losses return for W (a vocabulary-parallel head,
+    parallel.vocab_parallel, is no FSDP unit: W arrives as this rank's rows, a DTensor, and the
+    losses work on the rows). What the model's forward does
     after its head (soft-capping, a logit scale) then runs on the returned losses and is dropped:
     the losses apply post themselves."""
     head, post = model.get_output_embeddings(), logit_transform(model)
@@ -366,8 +368,9 @@ def _chunked_kl(model, h_skip, h_full, vocab, chunk, logp_full=None):
 
 
 class root_unsharded:
-    """Under FSDP2 the root unit (embeddings, final norm, LM head) is sharded outside the root's own
-    forward; calling the head directly needs it gathered first. A no-op without FSDP."""
+    """Under FSDP2 the root unit (the final norm; the embeddings and LM head where they are FSDP's,
+    not vocabulary-parallel) is sharded outside the root's own forward; calling the head directly
+    needs it gathered first. A no-op without FSDP."""
 
     def __init__(self, model):
         # duck-typed: FSDP2 adds unshard/reshard to the module's own class

@@ -44,9 +44,9 @@ torch.distributed.destroy_process_group()
 
 
 def test_the_cut_frees_the_removed_layers_fsdp_units(make_tiny, tmp_path):
-    """After prune_to_top_k under FSDP2 the root lists k + 2 units (the kept layers, the tied embedding
-    and LM head, itself), and a removed layer is garbage: before parallel.drop_removed_layers it listed
-    L + 2, the removed layers alive."""
+    """After prune_to_top_k under FSDP2 the root lists k + 1 units (the kept layers, itself: the tied
+    embedding and LM head are vocabulary-parallel, no unit), and a removed layer is garbage: before
+    parallel.drop_removed_layers it listed L + 1, the removed layers alive."""
     script = tmp_path / "cut.py"
     script.write_text(AFTER_THE_CUT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -55,7 +55,7 @@ def test_the_cut_frees_the_removed_layers_fsdp_units(make_tiny, tmp_path):
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in (0, 1):
-        assert f"rank {r}: kept [0, 1, 4, 5] units 6 removed_alive False" in proc.stdout, proc.stdout
+        assert f"rank {r}: kept [0, 1, 4, 5] units 5 removed_alive False" in proc.stdout, proc.stdout
 
 
 def test_two_nodes_on_one_host_match_one_process(single_run, make_tiny, corpus, tmp_path):  # noqa: F811
@@ -320,3 +320,82 @@ def test_gradients_are_reduce_scattered_after_every_micro_batch(make_tiny, corpu
     seen = sorted(line for line in proc.stdout.splitlines() if "sharded after" in line)
     # batch 4 on 2 ranks, micro-batch 1: 2 micro-batches a step, 4 steps (2 in the search, 2 after the cut)
     assert seen == [f"rank {r}: sharded after micro-batch 1: {[True] * 4}" for r in (0, 1)], proc.stdout[-2000:]
+
+
+VOCAB_PARALLEL_LOSS = r"""
+import json, sys
+import torch
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+sys.path.insert(0, sys.argv[1])
+import common
+from kd import head_kd_loss
+rank, world, device = common.init_distributed()
+mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+torch.manual_seed(5)  # the same draws on every rank: each rank's tokens and the whole W, b
+# 2 ranks: 31 rows, 16 + 15, the last 2 past the vocabulary; 4 ranks: 5 rows, 2 + 2 + 1 + 0
+T, d, V, K, vocab, cap = (9, 6, 31, 4, 29, 3.0) if world == 2 else (9, 6, 5, 4, 5, 3.0)
+W, b = torch.randn(V, d, dtype=torch.float64), torch.randn(V, dtype=torch.float64)
+data = []
+for r in range(world):
+    lt = torch.log_softmax(torch.randn(1, T, vocab, dtype=torch.float64) * 2, -1)
+    lp, ids = lt.topk(K, -1)
+    mask = torch.rand(1, T) > 0.2 + 0.3 * r  # the ranks count different numbers of tokens (rank 3: none)
+    data.append((torch.randn(1, T, d, dtype=torch.float64), ids, lp, -(lt.exp() * lt).sum(-1), mask))
+post = lambda z: cap * torch.tanh(z / cap)
+# the reference, float64 in one process: the mean over ranks of each rank's loss on the whole logits
+Wr, br = W.clone().requires_grad_(True), b.clone().requires_grad_(True)
+hs = [x[0].clone().requires_grad_(True) for x in data]
+losses = []
+for (h_, ids, lp, ent, mask), hr in zip(data, hs):
+    ls = torch.log_softmax(post(hr @ Wr.t() + br)[..., :vocab], -1)
+    losses.append(((lp.exp() * (lp - ls.gather(-1, ids))).sum(-1) * ent)[mask].sum() / max(mask.sum(), 1))
+(sum(losses) / world).backward()
+# vocabulary-parallel: each rank its rows of W and b (DTensors), its own tokens
+Wd = torch.nn.Parameter(distribute_tensor(W.float(), mesh, [Shard(0)]))
+bd = torch.nn.Parameter(distribute_tensor(b.float(), mesh, [Shard(0)]))
+h_, ids, lp, ent, mask = data[rank]
+h = h_.float().requires_grad_(True)
+loss = head_kd_loss(h, Wd, bd, ids, lp.float(), ent.float(), mask, post=post, vocab=vocab, chunk_tokens=2)
+loss.backward()
+with torch.no_grad():
+    again = head_kd_loss(h, Wd, bd, ids, lp.float(), ent.float(), mask, post=post, vocab=vocab, chunk_tokens=2)
+out = {"rows": Wd.to_local().shape[0], "tokens": int(mask.sum()), "loss": (loss.item() - losses[rank].item()),
+       "no_grad": again.item() - loss.item(),
+       "dh": (h.grad.double() - world * hs[rank].grad).abs().max().item(),  # its own loss's gradient
+       "dW": (Wd.grad.full_tensor().double() - Wr.grad).abs().max().item(),
+       "db": (bd.grad.full_tensor().double() - br.grad).abs().max().item(),
+       "past_vocab": Wd.grad.full_tensor()[vocab:].abs().sum().item()}
+# the ranks scale their losses differently: refused, not a wrong dW
+try:
+    (head_kd_loss(h, Wd, bd, ids, lp.float(), ent.float(), mask, post=post, vocab=vocab) * (1 + rank)).backward()
+    out["uneven"] = "accepted"
+except RuntimeError as e:
+    out["uneven"] = str(e)[:60]
+with open(f"{sys.argv[2]}/rank{rank}.json", "w") as f:
+    json.dump(out, f)
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocabulary_parallel_loss_equals_float64_whole_logits(tmp_path, world):
+    """kd.head_kd_loss with the head's rows split over gloo ranks (DTensors: uneven rows, 2 past the
+    vocabulary, a bias, soft-capping, different token counts per rank, chunks smaller than a rank's tokens;
+    at 4 ranks one rank with no rows and one with no tokens) against float64 autograd through each rank's
+    whole logits in one process: each rank's loss, its dL/dh, and dL/dW, dL/db of the mean over ranks (what
+    FSDP's other gradients are); the no-grad path gives the same loss, and ranks that scale their losses
+    differently are refused."""
+    script = tmp_path / "vp.py"
+    script.write_text(VOCAB_PARALLEL_LOSS)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+                           "--master_port", str(30100 + os.getpid() % 90 + world), str(script), str(ROOT),
+                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    assert [r["rows"] for r in ranks] == ([16, 15] if world == 2 else [2, 2, 1, 0]), ranks
+    assert world == 2 or ranks[3]["tokens"] == 0, ranks
+    for r in ranks:
+        assert abs(r["loss"]) < 1e-5 and abs(r["no_grad"]) < 1e-6, ranks
+        assert r["dh"] < 1e-5 and r["dW"] < 1e-5 and r["db"] < 1e-5 and r["past_vocab"] == 0, ranks
+        assert r["uneven"].startswith("vocabulary-parallel head_kd_loss: the ranks scaled"), ranks
