@@ -467,9 +467,20 @@ def vocab_parallel(model, device, dtype=None):
             head.bias = _shard_rows(head.bias, mesh, device)
 
         def head_forward(self, h):
+            if self.whole is not None and not torch.is_grad_enabled():  # gathered for a while
+                return nn.functional.linear(h.to(self.whole[0].dtype), *self.whole)
             bias = self.bias.to_local() if self.bias is not None else None
             return _GatheredRowsLinear.apply(h, self.weight.to_local(), bias,
                                              VocabShard(self.weight), dtype)
+
+        def gather_rows(gather=True):
+            """W (and b) whole until gather_rows(False): for no-grad callers that run the head many
+            times on one batch (importance's L skip runs, the teacher's chunks), one gather, not one
+            a call; surgery.root_unsharded calls it as FSDP's unshard / reshard."""
+            bias = head.bias.to_local() if head.bias is not None else None
+            head.whole = (_gather_rows(VocabShard(head.weight), head.weight.shape[0],
+                                       head.weight.to_local(), bias, dtype) if gather else None)
         head.forward = types.MethodType(head_forward, head)
+        head.whole, head.gather_rows = None, gather_rows
         done.append(head)
     return done

@@ -368,20 +368,28 @@ def _chunked_kl(model, h_skip, h_full, vocab, chunk, logp_full=None):
 
 
 class root_unsharded:
-    """Under FSDP2 the root unit (the final norm; the embeddings and LM head where they are FSDP's,
-    not vocabulary-parallel) is sharded outside the root's own forward; calling the head directly
-    needs it gathered first. A no-op without FSDP."""
+    """Under FSDP2 the root unit (the final norm; the embeddings and LM head where they are FSDP's)
+    is sharded outside the root's own forward; calling the head directly needs it gathered first.
+    A vocabulary-parallel head would gather its rows at every call: gathered once here instead
+    (no-grad calls). A no-op without FSDP."""
 
     def __init__(self, model):
-        # duck-typed: FSDP2 adds unshard/reshard to the module's own class
+        # duck-typed: FSDP2 adds unshard/reshard to the module's own class; a vocabulary-parallel
+        # head (parallel.vocab_parallel) has gather_rows
         self.fsdp = hasattr(model, "unshard") and hasattr(model, "reshard")
         self.model = model
+        self.head = model.get_output_embeddings()
+        self.rows = hasattr(self.head, "gather_rows")
 
     def __enter__(self):
         if self.fsdp:
             self.model.unshard()
+        if self.rows:
+            self.head.gather_rows()
 
     def __exit__(self, *exc):
+        if self.rows:
+            self.head.gather_rows(False)
         if self.fsdp:
             self.model.reshard()
 
