@@ -15,7 +15,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=${RUNS:-runs/compare}
-run() { name=$1; shift; [ -f "$R/$name/model/pruning.json" ] || python prune.py --keep 20 --out "$R/$name" "$@"; }
+# --resume: a run killed mid-way goes on from its newest checkpoint (none: it starts over)
+run() { name=$1; shift; [ -f "$R/$name/model/pruning.json" ] || python prune.py --keep 20 --out "$R/$name" --resume "$@"; }
 # evaluate.py needs --model to name the run folders; the packaged model is spelled out for prune.py so
 # that every run is the same model whatever the defaults become.
 M=$(python -c "import common; print(common.default_model())")
@@ -83,8 +84,9 @@ elif [ "$1" = series ] || [ "$1" = variants ] || [ "$1" = budget4x ] || [ "$1" =
   # SEEDS="1 2" pick runs, and drivers started side by side share the queue (each run is claimed).
   [ "$1" = table ] && { python experiments/seeds.py table; exit; }
   [ -f $D/search-mix.jsonl ] || python experiments/domains.py $D > /dev/null
-  # budget4x: 320 steps (327,680 tokens, a 32-step search), its own teacher cache; names end in -4x
-  X=""; [ "$1" = budget4x ] && { X=-4x; P=${P/--tokens 81920/--tokens 327680}; }
+  # budget4x: 320 steps (327,680 tokens, a 32-step search), its own teacher cache; names end in -4x;
+  # a checkpoint every 40 steps (an hour's run on one thread: a stopped machine loses 40 steps at most)
+  X=""; [ "$1" = budget4x ] && { X=-4x; P=${P/--tokens 81920/--tokens 327680}; P=${P/--ckpt-every 1000/--ckpt-every 40}; }
   series_run() {  # METHOD SEED: train, score on the three corpora, record
     local m=$1 s=$2 name=$1$X-s$2; local out=experiments/results/$name.json
     [ -f "$out" ] && return
