@@ -57,10 +57,11 @@ def parallelize(model, device):
     rows = vocab_parallel(model, device, mp.param_dtype)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embed.weight
-    units = [[embed, head]] if tied else [m for m in (embed, head) if m is not None]
+    # tied, vocab_parallel takes both or neither
+    units = [[embed, head]] if tied and not rows else [m for m in (embed, head)
+                                                       if m is not None and m not in rows]
     for unit in units:
-        if not any(m is unit or (isinstance(unit, list) and m in unit) for m in rows):
-            fully_shard(unit, mp_policy=mp)
+        fully_shard(unit, mp_policy=mp)
     fully_shard(model, mp_policy=mp, ignored_params={p for m in rows for p in m.parameters()})
     free_embedding_in_backward(model)
     if torch.distributed.get_backend() == "gloo":  # CPU ranks: collectives in pieces (see below)
