@@ -23,7 +23,10 @@ Quality, every statistic on the same predictions:
            each).
   ppl      exp(mean NLL); kl = mean KL(teacher || model) over the full vocabulary in fp32, logits
            sliced to the tokenizer's vocabulary; top1 = how often both models' most likely tokens
-           agree.
+           agree; tail = the model's mean probability outside the teacher's top-K tokens (K: the
+           run's --topk, else 10), beside teacher_tail, the teacher's own. Top-K KD (eq. 12) has
+           no term for that mass: its minimum puts none there, so a student trained long enough
+           on it loses perplexity on every token outside the teacher's top K.
 Speed, the dense teacher and the model side by side (interleaved repeats, medians after warm-up):
   ttft     prefill of --batch random prompts of --prompt-len tokens, up to the first greedy token
   tpot     time per further token of a greedy --gen-len loop with the KV cache; tok/s from both
@@ -181,11 +184,13 @@ def next_token_logprobs(model, ids, vocab):
 
 
 @torch.no_grad()
-def quality(model, blocks, vocab, teacher=None, batch_size=1):
+def quality(model, blocks, vocab, teacher=None, batch_size=1, topk=10):
     """ppl of `model` on `blocks` [N, T] (N * (T-1) predictions); with a teacher also its ppl, the
-    mean KL(teacher || model) and top-1 agreement on the same predictions. Sums in float64."""
+    mean KL(teacher || model), top-1 agreement and both models' mean mass outside the teacher's
+    `topk` most likely tokens, on the same predictions. Sums in float64."""
     dev = next(model.parameters()).device
-    sums = torch.zeros(4, dtype=torch.float64)  # NLL, teacher NLL, KL, agreements
+    # NLL, teacher NLL, KL, agreements, model mass off the teacher's top-K, the teacher's own
+    sums = torch.zeros(6, dtype=torch.float64)
     for b in blocks.split(batch_size):
         b = b.to(dev)
         target = b[:, 1:].unsqueeze(-1)  # position t is scored on token t + 1
@@ -201,12 +206,17 @@ def quality(model, blocks, vocab, teacher=None, batch_size=1):
             # top-K training loss
             sums[2] += (logq.exp() * (logq - logp)).sum(-1).double().sum().item()
             sums[3] += (logq.argmax(-1) == logp.argmax(-1)).sum().item()
+            # the mass the top-K KD loss never sees: outside the K tokens the teacher ranks first
+            top_q, top_ids = logq.topk(topk, dim=-1)
+            sums[4] += (1 - logp.gather(-1, top_ids).exp().sum(-1)).double().sum().item()
+            sums[5] += (1 - top_q.exp().sum(-1)).double().sum().item()
     n = blocks.shape[0] * (blocks.shape[1] - 1)
     out = {"tokens": n, "windows": blocks.shape[0], "seq_len": blocks.shape[1],
            "ppl": math.exp(sums[0] / n)}
     if teacher is not None:
         out.update(teacher_ppl=math.exp(sums[1] / n), kl=sums[2].item() / n,
-                   top1=sums[3].item() / n)
+                   top1=sums[3].item() / n, tail=sums[4].item() / n,
+                   teacher_tail=sums[5].item() / n, tail_k=topk)
     return out
 
 
@@ -472,7 +482,8 @@ def _losses(plt, ev, pruned):
 def markdown(rows):
     """One row per model; speed cells are dense -> model, and measured speedup (ideal)."""
     tasks = sorted({(t, m) for r in rows for t, ms in r.get("tasks", {}).items() for m in ms})
-    head = ["model", "layers", "params (M)", "ppl", "teacher ppl", "KL", "top-1", "TTFT ms",
+    head = ["model", "layers", "params (M)", "ppl", "teacher ppl", "KL", "top-1",
+            "mass off top-K (teacher)", "TTFT ms",
             "prefill x (ideal)", "TPOT ms", "decode x (ideal)"] + [f"{t} {m}" for t, m in tasks]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
@@ -493,6 +504,7 @@ def markdown(rows):
         cells = [r["name"], r["layers"], f"{r['params_m']:.1f}", num(q.get("ppl"), ".2f"),
                  num(q.get("teacher_ppl"), ".2f"), num(q.get("kl"), ".4f"),
                  num(q.get("top1"), ".3f"),
+                 "-" if q.get("tail") is None else f"{q['tail']:.3f} ({q['teacher_tail']:.3f})",
                  ms("ttft_ms"), times("prefill"), ms("tpot_ms"), times("decode")]
         cells += [num(r.get("tasks", {}).get(t, {}).get(m), ".3f") for t, m in tasks]
         lines.append("| " + " | ".join(cells) + " |")
@@ -533,7 +545,10 @@ def evaluate_one(args, spec, blocks_for, teachers, dtype, fig_prefix):
     vocab = vocab_size(tok)
     if args.quality:
         print0(f"[{name}] quality on held-out windows ...")
-        row["quality"] = quality(model, blocks_for(tok), vocab, teacher, args.eval_batch_size)
+        # the tail is measured off the K the run distilled on (pruning.json's flags), else 10
+        topk = (info or {}).get("flags", {}).get("topk") or 10
+        row["quality"] = quality(model, blocks_for(tok), vocab, teacher, args.eval_batch_size,
+                                 topk)
     if args.speed:
         print0(f"[{name}] speed: batch {args.batch}, prompt {args.prompt_len}, gen {args.gen_len}, "
                f"{args.repeats} repeats, {torch.get_num_threads()} CPU threads ...")

@@ -74,7 +74,7 @@ def assets(tmp_path_factory, tokenizer):
     student.save_pretrained(root / "run" / "model")
     tokenizer.save_pretrained(root / "run" / "model")
     info = {"source_model": str(root / "teacher"), "layers_before": 4, "kept_layers": [0, 3],
-            "removed_layers": [1, 2], "method": "e3", "flags": {}, "tokens_trained": 0,
+            "removed_layers": [1, 2], "method": "e3", "flags": {"topk": 7}, "tokens_trained": 0,
             "initial_scores": [1, 0.5, 0.3, 0.25], "final_scores": [1, 0.2, 0.1, 0.3]}
     (root / "run" / "model" / "pruning.json").write_text(json.dumps(info))
     write_log(root / "run" / "log.jsonl")
@@ -85,11 +85,12 @@ def assets(tmp_path_factory, tokenizer):
             "student_model": student, "teacher_model": teacher}
 
 
-def reference_quality(student_dir, teacher_dir, blocks, vocab):
-    """ppl, KL(teacher || student) and top-1 agreement recomputed in float64 with other library calls."""
+def reference_quality(student_dir, teacher_dir, blocks, vocab, k):
+    """ppl, KL(teacher || student), top-1 agreement and both models' mass outside the teacher's k
+    most likely tokens, recomputed in float64 with other library calls (a sort, not topk)."""
     s = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float64)
     t = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float64)
-    nll = kl = agree = n = 0.0
+    nll = kl = agree = n = tail = teacher_tail = 0.0
     with torch.no_grad():
         for b in blocks:
             ls = F.log_softmax(s(b[None]).logits[0, :-1, :vocab], -1)
@@ -97,8 +98,11 @@ def reference_quality(student_dir, teacher_dir, blocks, vocab):
             nll += F.cross_entropy(ls, b[1:], reduction="sum").item()
             kl += F.kl_div(ls, lt, log_target=True, reduction="sum").item()
             agree += (ls.argmax(-1) == lt.argmax(-1)).sum().item()
+            order = lt.argsort(-1, descending=True)[:, :k]  # the teacher's k first tokens
+            tail += (1 - ls.exp().gather(-1, order).sum(-1)).sum().item()
+            teacher_tail += (1 - lt.exp().gather(-1, order).sum(-1)).sum().item()
             n += len(b) - 1
-    return math.exp(nll / n), kl / n, agree / n
+    return math.exp(nll / n), kl / n, agree / n, tail / n, teacher_tail / n
 
 
 def test_quality_matches_float64_recomputation(assets, tokenizer, tmp_path):
@@ -110,11 +114,16 @@ def test_quality_matches_float64_recomputation(assets, tokenizer, tmp_path):
     ids = tokenizer(assets["text"].read_text())["input_ids"] + [tokenizer.eos_token_id]
     blocks = torch.tensor(ids[: len(ids) // 48 * 48]).view(-1, 48)
     assert q["windows"] == len(blocks) and q["tokens"] == len(blocks) * 47
-    ppl, kl, top1 = reference_quality(assets["run"] / "model", assets["teacher"], blocks, 49152)
+    ppl, kl, top1, tail, teacher_tail = reference_quality(assets["run"] / "model", assets["teacher"],
+                                                          blocks, 49152, k=7)
     assert q["ppl"] == pytest.approx(ppl, rel=1e-4)
     assert q["kl"] == pytest.approx(kl, rel=1e-4) and kl > 0.05  # not a trivially uniform pair
     assert q["top1"] == pytest.approx(top1, abs=1.5 / q["tokens"])  # an fp32 near-tie may flip one
     assert 0 < top1 < 1
+    # the run distilled on K = 7 (its pruning.json's flags): the tail is measured off the same K
+    assert q["tail_k"] == 7
+    assert q["tail"] == pytest.approx(tail, rel=1e-4) and q["teacher_tail"] == pytest.approx(teacher_tail, rel=1e-4)
+    assert 0.05 < tail < 0.995 and tail != pytest.approx(teacher_tail, rel=1e-2)
     saved = json.loads((tmp_path / "report.json").read_text())["rows"][0]["quality"]
     assert saved["kl"] == q["kl"]
 
