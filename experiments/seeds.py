@@ -52,7 +52,8 @@ PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot
 
 
 def record(run_dir, method, seed, out, *evals):
-    """One run's numbers: its layer set, its budget and, per held-out corpus, ppl / KL / top-1."""
+    """One run's numbers: its layer set, its budget and, per held-out corpus, ppl / KL / top-1 (and
+    the mass off the teacher's top-K, in runs scored since evaluate.py reports it)."""
     run_dir = Path(run_dir)
     info = json.loads((run_dir / "model" / "pruning.json").read_text())
     done = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()
@@ -67,8 +68,8 @@ def record(run_dir, method, seed, out, *evals):
         rep = json.loads(Path(path).read_text())
         corpus = Path(path).stem.split("eval-", 1)[-1]
         q = rep["rows"][0]["quality"]
-        res["corpora"][corpus] = {k: q[k] for k in ("ppl", "kl", "top1", "teacher_ppl", "tokens")
-                                  if k in q}
+        keys = ("ppl", "kl", "top1", "teacher_ppl", "tokens", "tail", "teacher_tail", "tail_k")
+        res["corpora"][corpus] = {k: q[k] for k in keys if k in q}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(res, indent=1) + "\n")
     return res
