@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random-init causal LMs of several architectures, saved like real checkpoints
 with the demo model's tokenizer, and the `slow` marker."""
+import re
 import sys
 from pathlib import Path
 
@@ -26,6 +27,19 @@ def tiny_config(arch, layers=6, vocab=49152):
     if arch == "mistral":
         shared.update(sliding_window=4)
     return AutoConfig.for_model(arch, **shared)
+
+
+# what a rank prints when it dies: a C++ abort (gloo's device thread, a failed check), a Python error
+_RANK_ERROR = re.compile(r"terminate called|what\(\):|Fatal Python error|Aborted|^\[rank\d+\]:|^\w*Error: ")
+
+
+def torchrun_failure(*outputs):
+    """The message for a torchrun that failed: first each line in which a rank says why (a C++ abort's
+    `terminate called ... what(): ...` comes early in stderr, long before the launcher's report that
+    fills its last 3,000 characters), then the tail."""
+    text = "\n".join(o for o in outputs if o)
+    why = [line for line in text.splitlines() if _RANK_ERROR.search(line)]
+    return "\n".join(why[:60]) + "\n--- the output's end ---\n" + text[-3000:]
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ import data
 import kd
 import surgery
 from cache_teacher import TeacherCache, build_cache
+from conftest import torchrun_failure
 
 REPO = Path(__file__).resolve().parents[1]
 V = 49152
@@ -172,7 +173,7 @@ def test_two_ranks_give_the_same_cache_as_one(ref, tmp_path):
     out = str(tmp_path / "cache2")
     r = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
              *cli(ref, out=out)])
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, torchrun_failure(r.stderr)
     assert shard_listing(out) == shard_listing(ref["out"])  # same files, byte for byte (sha256)
     tok = AutoTokenizer.from_pretrained(ref["model_name"])
     a, b = everything(TeacherCache(out, tok)), everything(TeacherCache(ref["out"], tok))
@@ -210,7 +211,7 @@ def test_a_sharded_teacher_gives_the_one_process_cache(ref, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     r = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
              *cli(ref, out=out)[1:], "--shard-teacher"], env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, torchrun_failure(r.stderr)
     loads = {line.split()[2]: line.split()[3:] for line in r.stdout.splitlines() if line.startswith("weights")}
     assert loads == {"0": ["True"], "1": ["False"]}, r.stdout
     tok = AutoTokenizer.from_pretrained(ref["model_name"])
@@ -247,7 +248,7 @@ def test_two_ranks_split_the_shard_check_and_both_refuse_a_corrupt_one(ref, tmp_
            str(out), ref["model_name"]]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     r = run(cmd, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, torchrun_failure(r.stderr)
     listed = [s["file"] for split in ("train", "val") for s in shard_listing(out)[split]]
     hashed = {line.split()[1]: line.split()[2:] for line in r.stdout.splitlines() if line.startswith("hashed")}
     assert hashed == {"0": listed[0::2], "1": listed[1::2]}, r.stdout
@@ -277,7 +278,7 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(ref, tmp_path):
     assert len(list(out.glob("*.safetensors"))) < total
     stamp = first.stat().st_mtime_ns
     r = run([sys.executable, *cli(ref, out=str(out))])
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, torchrun_failure(r.stderr)
     assert first.stat().st_mtime_ns == stamp, "a finished shard was computed again"
     assert shard_listing(out) == shard_listing(ref["out"])
     assert not list(out.glob("*.tmp"))

@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from conftest import torchrun_failure
+
 ROOT = Path(__file__).resolve().parents[1]
 L, K = 6, 4
 
@@ -42,7 +44,7 @@ def run(args, tmp_path, nproc=1, check=True, **kw):
     proc = subprocess.run(launcher + [str(ROOT / "prune.py"), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600, **kw)
     if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.returncode == 0, torchrun_failure(proc.stdout, proc.stderr)
     return proc
 
 

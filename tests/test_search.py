@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import baselines
+from conftest import torchrun_failure
 from baselines import (evo_search, first_tokens, fitness, mutate, offspring_of, random_genome,
                        random_search)
 from cache_teacher import TeacherCache, build_cache
@@ -337,6 +338,7 @@ out = baselines.evo_search(score, 10, 8, [0, 9], torch.Generator().manual_seed(0
                            offspring=4, stages=[(80, 2), (300, 1)])
 # one file a rank: two ranks printing long lines into one pipe can interleave them
 open(f"{sys.argv[3]}/rank{rank}.json", "w").write(json.dumps(out))
+torch.distributed.barrier()  # no rank closes its connections while another still uses them
 torch.distributed.destroy_process_group()
 """
 
@@ -358,7 +360,7 @@ def test_evo_search_on_two_fsdp_ranks_matches_one_process(planted, planted_cache
                 "--master_port", port]
     proc = subprocess.run(launcher + [str(script), path, cache, str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, torchrun_failure(proc.stderr)
     results = [(r, (tmp_path / f"rank{r}.json").read_text()) for r in ("0", "1")]
     for _, text in results:
         two = json.loads(text)
