@@ -46,7 +46,9 @@ PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot
          ("e3-mix", "kl-calib-mix"), ("e3-mix", "kl-oneshot"), ("evo-mix", "kl-calib-mix"),
          ("e3-search-mix", "e3-akd"), ("e3-mix", "e3-calib-mix"), ("evo-mix", "evo"),
          ("e3-masks2", "e3-akd"), ("e3-masks8", "e3-akd"), ("e3-scale4", "e3-akd"),
-         ("e3-lr-linear", "e3-akd"), ("e3-search-kd", "e3-akd"), ("e3-akd-4x", "kl-oneshot-4x"),
+         ("e3-lr-linear", "e3-akd"), ("e3-search-kd", "e3-akd"),
+         # the paper's AKD against plain KD, the same search and seeds
+         ("e3-akd", "e3-kd"), ("e3-akd-4x", "kl-oneshot-4x"),
          # what 4x the tokens (and a 32-step search) buys each method, seed by seed
          ("e3-akd-4x", "e3-akd"), ("kl-oneshot-4x", "kl-oneshot")]
 
