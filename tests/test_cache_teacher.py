@@ -278,7 +278,7 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(ref, tmp_path):
     assert len(list(out.glob("*.safetensors"))) < total
     stamp = first.stat().st_mtime_ns
     r = run([sys.executable, *cli(ref, out=str(out))])
-    assert r.returncode == 0, torchrun_failure(r.stderr)
+    assert r.returncode == 0, r.stderr[-3000:]
     assert first.stat().st_mtime_ns == stamp, "a finished shard was computed again"
     assert shard_listing(out) == shard_listing(ref["out"])
     assert not list(out.glob("*.tmp"))

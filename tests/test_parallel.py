@@ -88,7 +88,7 @@ def test_plan_from_a_config_alone(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_2_7B))
     proc = subprocess.run([sys.executable, str(ROOT / "prune.py"), "--model", str(tmp_path), "--keep", "13",
                            "--plan", "8"], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, torchrun_failure(proc.stderr)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     d, ff, V, L = 4096, 11008, 32000, 32
     layer = 4 * d * d + 3 * d * ff + 2 * d  # q k v o, gate up down, two RMSNorms
     params = 2 * V * d + L * layer + d  # embedding, LM head (untied), layers, final norm
