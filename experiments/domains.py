@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, for calib_mix
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # cache_teacher.py, for the plays
 
 
 def python_docs():
@@ -49,8 +49,8 @@ def torch_code():
 def calib_mix(n=4, chars=2500, skip=0):
     """n documents of each domain, the last n before the last `skip` of each list (a play's
     excerpt for the verse), cut to `chars` and interleaved."""
-    import common  # the packaged plays: the training corpus's text
-    plays = sorted(Path(common.default_corpus()).rglob("*.md"))[skip:skip + n]
+    import cache_teacher  # the packaged plays: the training corpus's text
+    plays = sorted(Path(cache_teacher.default_corpus()).rglob("*.md"))[skip:skip + n]
     verse = [p.read_text(encoding="utf-8")[10_000:10_000 + chars] for p in plays]
     last = lambda docs: docs[len(docs) - skip - n:len(docs) - skip]  # noqa: E731
     groups = [last(python_docs()), last(torch_code()), verse]

@@ -57,9 +57,9 @@ def rank_main(argv):
     sys.path.insert(0, str(ROOT))
     import torch  # the import floor; and the profiler below
     import transformers  # noqa: F401
-    import checkpoint
-    import common
+    import cache_teacher
     import prune
+    from scale.checkpoint import Run
     rank = os.environ.get("RANK", "0")
     report = Path(os.environ["E3_MEMORY_REPORT"]) / f"rank{rank}.jsonl"
     start = {}  # resident memory when each phase began
@@ -82,12 +82,12 @@ def rank_main(argv):
 
     prune.build_teacher_cache = measured("cache", prune.build_teacher_cache)
     prune.build_student = measured("student", prune.build_student)
-    prune.init_scores = measured("importance", prune.init_scores)
+    prune.initial_scores = measured("importance", prune.initial_scores)
     prune.export_pruned = measured("export", prune.export_pruned)
-    checkpoint.Run.save = measured("save", checkpoint.Run.save)
-    checkpoint.Run.load_into = staticmethod(measured("resume", checkpoint.Run.load_into))
+    Run.save = measured("save", Run.save)
+    Run.load_into = staticmethod(measured("resume", Run.load_into))
     # one training step: from the lr lookup that starts it to the "train" event that ends it
-    schedule, log = prune.lr_schedule, checkpoint.Run.log
+    schedule, log = prune.lr_schedule, Run.log
 
     profile = {"steps": 0, "on": os.environ.get("E3_MEMORY_PROFILE") == "1"}
 
@@ -110,8 +110,8 @@ def rank_main(argv):
                     sort_by="self_cpu_memory_usage", row_limit=12), flush=True)
         return log(self, **event)
 
-    prune.lr_schedule, checkpoint.Run.log = step_start, step_end
-    common.run_main(lambda: prune.main(argv))
+    prune.lr_schedule, Run.log = step_start, step_end
+    cache_teacher.run_main(lambda: prune.main(argv))
 
 
 def random_llama(path, tied=True):
@@ -121,13 +121,13 @@ def random_llama(path, tied=True):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     sys.path.insert(0, str(ROOT))
-    import common
+    import cache_teacher
     cfg = LlamaConfig(vocab_size=49152, hidden_size=768, intermediate_size=2048,
                       num_hidden_layers=10, num_attention_heads=12, num_key_value_heads=12,
                       tie_word_embeddings=tied)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(path)
-    AutoTokenizer.from_pretrained(common.default_model()).save_pretrained(path)
+    AutoTokenizer.from_pretrained(cache_teacher.default_model()).save_pretrained(path)
 
 
 def measure(model, nproc, tmp, profile=False, extra_args=()):

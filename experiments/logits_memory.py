@@ -11,10 +11,10 @@ first). Each measurement runs in a fresh process (glibc's mmap threshold fixed, 
 does) and reports the step's peak resident memory above the resident memory at its start.
 
   plain   model(x).logits, an fp32 log-softmax over all of them, eq. 13 (as before the fusion)
-  fused   prune.kd_loss: the head and the loss in chunks of --logit-chunk tokens (256, and 64)
+  fused   scale.fused_loss.FusedLoss: the head and the loss in chunks of --logit-chunk tokens
+          (256, and 64)
 """
 import argparse
-import contextlib
 import os
 import subprocess
 import sys
@@ -34,10 +34,10 @@ def one(mode, seq, chunk):
     """In a fresh process: the step's peak above its start, MB."""
     sys.path.insert(0, str(ROOT))
     import torch
-    import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import prune
+    from scale.fused_loss import FusedLoss
     cfg = LlamaConfig(vocab_size=V, hidden_size=768, intermediate_size=2048, num_hidden_layers=10,
                       num_attention_heads=12, num_key_value_heads=12, tie_word_embeddings=True)
     torch.manual_seed(0)
@@ -48,18 +48,14 @@ def one(mode, seq, chunk):
     entropy = -(teacher.exp() * teacher).sum(-1)
     del teacher  # the cache holds only the top-K and the entropy
     batch = {"input_ids": ids, "topk_ids": top_ids, "topk_logprobs": top_lp, "entropy": entropy}
+    losses = prune.plain_losses(V)
+    if mode == "fused":
+        losses = FusedLoss(V, chunk, reference=losses)
     for p in model.parameters():  # as in every step after the first: the gradients exist
         p.grad = torch.zeros_like(p)
 
     def step():
-        if mode == "plain":
-            logits = model(input_ids=ids, use_cache=False).logits
-            logp_s = F.log_softmax(logits.float(), -1).gather(-1, top_ids)
-            per_token = (top_lp.exp() * (top_lp - logp_s)).sum(-1)  # eq. 12's L_token
-            loss = (entropy * per_token).mean()  # eq. 13
-        else:
-            loss = prune.kd_loss(model, batch, "akd", V, contextlib.nullcontext(),
-                                 chunk_tokens=chunk)
+        (loss,) = losses(model, batch, ["akd"])  # prune.py's: kd.py on model(x).logits, or fused
         loss.backward()
 
     step()  # warm-up: the allocator's first touches

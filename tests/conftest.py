@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts live at the repo root
 
-import common  # noqa: E402
+import cache_teacher  # noqa: E402
 
 
 def tiny_config(arch, layers=6, vocab=49152):
@@ -45,7 +45,7 @@ def torchrun_failure(*outputs):
 @pytest.fixture(scope="session")
 def tokenizer():
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(common.default_model())
+    return AutoTokenizer.from_pretrained(cache_teacher.default_model())
 
 
 @pytest.fixture(scope="session")

@@ -11,9 +11,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from common import E3Error
-from surgery import (LayerGates, check_logits_path, check_removable, decoder_layers, export_pruned,
-                     last_layer_output, layer_importance, lora_targets, model_logits, remove_layers)
+from architectures.logits import model_logits
+from cache_teacher import E3Error
+from scale.fused_loss import check_logits_path, last_layer_output
+from surgery import (LayerGates, check_removable, decoder_layers, export_pruned, kl_importance,
+                     lora_targets, remove_layers)
 from test_prune import (assert_one_line_error, corpus, events, run, tiny_args,  # noqa: F401
                         weights)  # (corpus: a fixture)
 
@@ -92,17 +94,18 @@ def test_model_logits_are_the_models_own(arch):
 def test_teacher_cache_is_log_softmax_of_the_models_logits(arch):
     """The cached top-K log-probs and entropy are those of log_softmax(model(x).logits), whatever
     the model does after its LM head (Granite divides, Cohere scales, Gemma soft-caps, OPT
-    projects)."""
+    projects): from the plain logits and from the chunked head of the last layer's output."""
     from cache_teacher import teacher_targets
     model, x = tiny(arch), ids(5)
     with torch.no_grad():
-        got = teacher_targets(model, x, VOCAB, topk=5)
         logp = torch.log_softmax(model(x).logits.double(), -1)
     values, indices = logp.topk(5, dim=-1)
-    torch.testing.assert_close(got["topk_logprobs"].double(), values, rtol=0, atol=1e-5)
-    assert torch.equal(got["topk_ids"], indices)
     entropy = -(logp.exp() * logp).sum(-1)
-    torch.testing.assert_close(got["entropy"].double(), entropy, rtol=0, atol=1e-4)
+    for chunk in (0, 7):
+        got = teacher_targets(model, x, VOCAB, topk=5, logit_chunk=chunk)
+        torch.testing.assert_close(got["topk_logprobs"].double(), values, rtol=0, atol=1e-5)
+        assert torch.equal(got["topk_ids"], indices)
+        torch.testing.assert_close(got["entropy"].double(), entropy, rtol=0, atol=1e-4)
 
 
 def test_unknown_logit_transform_is_refused():
@@ -125,7 +128,7 @@ def test_kl_importance_and_gates_without_llama_norm(arch):
             without_l = remove_layers(tiny(arch), [i for i in range(L) if i != l])
             logq = torch.log_softmax(without_l(x).logits.double(), -1)
             ref.append((logq.exp() * (logq - logp)).sum(-1).mean())
-        got = layer_importance(tiny(arch), [(x, None, 1)], "kl")
+        got = kl_importance(tiny(arch), [(x, None)], VOCAB)
     torch.testing.assert_close(got, torch.stack(ref), rtol=1e-4, atol=1e-7)
     model = tiny(arch)
     LayerGates(model).mask = torch.tensor([float(i in KEEP) for i in range(L)])
@@ -136,10 +139,10 @@ def test_kl_importance_and_gates_without_llama_norm(arch):
 
 def test_kl_importance_chunked_equals_unchunked():
     model = tiny("qwen3_moe")
-    batches = [(ids(2, (2, 9)), None, 1), (ids(3, (2, 9)), None, 1)]
-    whole = layer_importance(model, batches, "kl", chunk=10 ** 6)
+    batches = [(ids(2, (2, 9)), None), (ids(3, (2, 9)), None)]
+    whole = kl_importance(model, batches, VOCAB, chunk=10 ** 6)
     for chunk in (5, 7):  # 18 tokens per batch: 4 and 3 chunks, the last one short
-        chunked = layer_importance(model, batches, "kl", chunk=chunk)
+        chunked = kl_importance(model, batches, VOCAB, chunk=chunk)
         torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-9)
 
 
@@ -317,13 +320,13 @@ def test_moe_two_fsdp_ranks_match_one_process(arch, extra, saved, corpus, tmp_pa
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "granite", "cohere", "gpt2", "opt",
                                   "qwen3_moe"])
 def test_fused_head_loss_equals_plain_logits_path(arch):
-    """prune.kd_loss (the LM head fused with the loss, chunked: no (B, T, V) logits) against the
-    plain path written out here: model(x).logits, a float64 log-softmax, eq. 12/13 and
-    F.cross_entropy. Loss values for akd, kd, sft and validation's (kd, ce), and every parameter's
-    gradient; soft-capping, logit scales, OPT's project_out and an untied head included."""
-    import contextlib
-
-    from prune import kd_loss
+    """prune.py's two loss paths, kd.py's plain one and scale/fused_loss.py's (the LM head fused
+    with the loss, chunked: no (B, T, V) logits), against the path written out here:
+    model(x).logits, a float64 log-softmax, eq. 12/13 and F.cross_entropy. Loss values for akd, kd,
+    sft and validation's (kd, ce), and every parameter's gradient; soft-capping, logit scales, OPT's
+    project_out and an untied head included."""
+    from prune import plain_losses
+    from scale.fused_loss import FusedLoss
     model = tiny(arch)  # eval: GPT-2's and OPT's dropout would draw other masks in each path
     x = ids(7, (2, 9))
     teacher = torch.log_softmax(torch.randn(2, 9, VOCAB, generator=torch.Generator().manual_seed(1))
@@ -346,15 +349,16 @@ def test_fused_head_loss_equals_plain_logits_path(arch):
         ref = plain(kind)
         ref.backward()
         ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad()
-        got = kd_loss(model, batch, kind, VOCAB, contextlib.nullcontext(), chunk_tokens=4)
-        got.backward()
-        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
-        for n, p in model.named_parameters():
-            if n in ref_grads:
-                torch.testing.assert_close(p.grad, ref_grads[n].float(), rtol=1e-3, atol=1e-6,
-                                           msg=f"{kind}: {n}")
+        for losses in (plain_losses(VOCAB), FusedLoss(VOCAB, 4, reference=plain_losses(VOCAB))):
+            model.zero_grad()
+            (got,) = losses(model, batch, [kind])
+            got.backward()
+            torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
+            for n, p in model.named_parameters():
+                if n in ref_grads:
+                    torch.testing.assert_close(p.grad, ref_grads[n].float(), rtol=1e-3, atol=1e-6,
+                                               msg=f"{kind}: {n}")
     with torch.no_grad():
-        kd, ce = kd_loss(model, batch, "kd", VOCAB, contextlib.nullcontext(), with_ce=True)
+        kd, ce = FusedLoss(VOCAB, 256, reference=plain_losses(VOCAB))(model, batch, ["kd", "sft"])
         torch.testing.assert_close(kd.double(), plain("kd"), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(ce.double(), plain("sft"), rtol=1e-5, atol=1e-6)

@@ -14,8 +14,6 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import cache_teacher
-import common
-import data
 import kd
 import surgery
 from cache_teacher import TeacherCache, build_cache
@@ -28,7 +26,7 @@ V = 49152
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """Three short ASCII documents (Shakespeare) in a .jsonl file whose text field is 'body'."""
-    plays = sorted(Path(common.default_corpus()).rglob("*.md"))[:3]
+    plays = sorted(Path(cache_teacher.default_corpus()).rglob("*.md"))[:3]
     docs = [p.read_text()[:1200].encode("ascii", "ignore").decode() for p in plays]
     path = tmp_path_factory.mktemp("corpus") / "plays.jsonl"
     path.write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
@@ -146,15 +144,15 @@ def test_complete_cache_is_skipped_without_loading_the_teacher(ref, monkeypatch)
 
 
 def test_a_different_cache_in_out_is_refused(ref):
-    with pytest.raises(common.E3Error, match="another topk"):
+    with pytest.raises(cache_teacher.E3Error, match="another topk"):
         build_cache(**{**ref, "topk": 5})
 
 
 def test_cache_refuses_other_k_or_seq_len(ref):
     tok = AutoTokenizer.from_pretrained(ref["model_name"])
-    with pytest.raises(common.E3Error, match="--topk 10, not 20"):
+    with pytest.raises(cache_teacher.E3Error, match="--topk 10, not 20"):
         TeacherCache(ref["out"], tok, topk=20)
-    with pytest.raises(common.E3Error, match="--seq-len 16, not 32"):
+    with pytest.raises(cache_teacher.E3Error, match="--seq-len 16, not 32"):
         TeacherCache(ref["out"], tok, seq_len=32)
 
 
@@ -163,7 +161,7 @@ def test_truncated_shard_is_refused_then_recomputed(ref, tmp_path):
     shard = out / "train-00002.safetensors"
     shard.write_bytes(shard.read_bytes()[:-100])
     tok = AutoTokenizer.from_pretrained(ref["model_name"])
-    with pytest.raises(common.E3Error, match="truncated"):
+    with pytest.raises(cache_teacher.E3Error, match="truncated"):
         TeacherCache(out, tok)
     build_cache(**{**ref, "out": str(out)})  # resumes: recomputes the damaged shard only
     assert shard_listing(out) == shard_listing(ref["out"])
@@ -184,7 +182,7 @@ def test_two_ranks_give_the_same_cache_as_one(ref, tmp_path):
 
 SHARDED_TEACHER = """
 import os, sys
-import cache_teacher, common, transformers
+import cache_teacher, transformers
 rank, real_load, weights = int(os.environ["RANK"]), cache_teacher.load_model, []
 def recording_load(*a, **kw):
     weights.append(kw.get("weights", True))
@@ -193,7 +191,7 @@ cache_teacher.load_model = recording_load
 if rank > 0:  # from_pretrained is what reads a checkpoint's weights: no rank but 0 may call it
     transformers.AutoModelForCausalLM.from_pretrained = lambda *a, **kw: sys.exit("rank 1 read the weights")
 sys.argv = ["cache_teacher.py", *sys.argv[1:]]
-common.run_main(cache_teacher.main)
+cache_teacher.run_main(cache_teacher.main)
 os.write(1, f"weights loaded {rank} {' '.join(map(str, weights))}\\n".encode())  # one write, one line
 """
 
@@ -226,15 +224,15 @@ def test_a_sharded_teacher_gives_the_one_process_cache(ref, tmp_path):
 OPEN_ON_EACH_RANK = """
 import os, sys
 say = lambda line: os.write(1, (line + "\\n").encode())  # one write: the ranks' lines never interleave
-import cache_teacher, common, torch
+import cache_teacher, torch
 from transformers import AutoTokenizer
 hashed, real_sha256 = [], cache_teacher._sha256
 cache_teacher._sha256 = lambda f: hashed.append(f.name) or real_sha256(f)
 def main():
-    common.init_distributed()
+    cache_teacher.init_distributed()
     cache_teacher.TeacherCache(sys.argv[1], AutoTokenizer.from_pretrained(sys.argv[2]))
     say(f"hashed {torch.distributed.get_rank()} {' '.join(hashed)}")
-common.run_main(main)
+cache_teacher.run_main(main)
 """
 
 
@@ -313,7 +311,7 @@ def test_bad_input_ends_with_one_error_line(case, ref, tmp_path):
         else:
             tok = _tokenizer_variant(tok, tmp_path / "tok", lambda t: setattr(t, "eos_token", "<|im_start|>"))
             expect = "another tokenizer"
-        code = ("import sys; from transformers import AutoTokenizer; from common import run_main; "
+        code = ("import sys; from transformers import AutoTokenizer; from cache_teacher import run_main; "
                 "from cache_teacher import TeacherCache; "
                 "run_main(lambda: TeacherCache(sys.argv[1], AutoTokenizer.from_pretrained(sys.argv[2])))")
         cmd = [sys.executable, "-c", code, str(cache), tok]
@@ -327,18 +325,17 @@ def test_fp16_logprobs_change_the_kd_loss_negligibly():
     """The measurement behind storing log-probabilities as fp16: on the default model and corpus, with a
     student that lost 6 of its 30 layers, the kd and akd losses against fp16-rounded targets are within
     1e-3 (relative) of those against the fp32 targets."""
-    model, tok = common.load_model(None)
-    ids = data.train_blocks(tok, None, 128, 12)[10:12]
-    targets = cache_teacher.teacher_targets(model, ids, common.vocab_size(tok), 10)
+    model, tok = cache_teacher.load_model(None)
+    ids = cache_teacher.corpus_blocks(tok, None, 128, 12 * 128)["train"][10:12]
+    vocab = cache_teacher.vocab_size(tok)
+    targets = cache_teacher.teacher_targets(model, ids, vocab, 10)
     surgery.remove_layers(model, [i for i in range(30) if i not in range(12, 18)])
-    stored = cache_teacher.storage_dtypes(common.vocab_size(tok))["topk_logprobs"]
+    stored = cache_teacher.storage_dtypes(vocab)["topk_logprobs"]
 
-    def loss(logprobs, entropy):  # the student's loss as prune.py computes it
-        def fn(x, weight, bias, post):
-            return kd.head_kd_loss(x, weight, bias, targets["topk_ids"], logprobs, entropy,
-                                   post=post, vocab=common.vocab_size(tok))
+    def loss(logprobs, entropy):  # the student's loss as prune.py computes it (kd.py)
         with torch.no_grad():
-            return surgery.head_losses(model, ids, [fn])[0]
+            logits = model(input_ids=ids).logits[..., :vocab]
+        return kd.topk_kd_loss(logits, targets["topk_ids"], logprobs, entropy)
     for entropy in (None, targets["entropy"]):
         exact = loss(targets["topk_logprobs"], entropy)
         rounded = loss(targets["topk_logprobs"].to(stored).float(), entropy)

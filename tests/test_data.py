@@ -1,5 +1,6 @@
-"""data.py: today's demo blocks kept bit for bit, every format against the tokenizer itself, the
-split rule, reading that stops at --max-tokens, token-file reuse and width, one-line errors."""
+"""The corpus (cache_teacher.py): today's demo blocks kept bit for bit, every format against the
+tokenizer itself, the split rule, reading that stops at --max-tokens, token-file reuse and width,
+one-line errors."""
 import json
 import os
 import subprocess
@@ -9,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import common
-import data
+import cache_teacher as data
 from cache_teacher import checked_blocks
 
 WORDS = "thou art more lovely and more temperate rough winds do shake the buds of may".split()
@@ -30,14 +30,14 @@ def sentences(n, seed=0):
 
 
 def reference_stream(tok, docs):
-    """The stream written out with the tokenizer itself: each text (or chat) encoded, then EOS."""
+    """The stream written out with the tokenizer itself: each text encoded, then EOS; each chat as
+    its template renders it, which ends every turn with its own marker (no EOS after it)."""
     ids = []
     for doc in docs:
         if isinstance(doc, list):  # a chat
             ids += tok.apply_chat_template(doc, tokenize=True)["input_ids"]
         else:
-            ids += tok(doc)["input_ids"]
-        ids.append(tok.eos_token_id)
+            ids += tok(doc)["input_ids"] + [tok.eos_token_id]
     return torch.tensor(ids)
 
 
@@ -93,6 +93,21 @@ def test_every_format_gives_the_tokenizers_own_stream(tokenizer, tmp_path):
         assert torch.equal(got, reference_stream(tokenizer, expect)), path
 
 
+def test_a_chat_ends_once(tokenizer, tmp_path):
+    """A conversation's tokens are its template's, and the next one follows at once: the template
+    ends every turn with its own marker, so an EOS appended after it doubled the end of every
+    conversation (<|im_end|> twice for SmolLM2's, whose EOS it is)."""
+    chats = [[{"role": "user", "content": "to be"}, {"role": "assistant", "content": "or not"}],
+             [{"role": "user", "content": "that is"}, {"role": "assistant", "content": "the question"}]]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    got = whole_stream(tokenizer, path)
+    rendered = [tokenizer.apply_chat_template(c, tokenize=True)["input_ids"] for c in chats]
+    assert got.tolist() == rendered[0] + rendered[1]
+    ends = sum(r.count(tokenizer.eos_token_id) for r in rendered)  # one end marker a turn
+    assert (got == tokenizer.eos_token_id).sum() == ends
+
+
 def test_a_corpus_read_whole_splits_at_its_end(tokenizer, tmp_path):
     docs = sentences(400)
     path = tmp_path / "c.jsonl"
@@ -133,7 +148,8 @@ def test_max_tokens_stops_reading(tokenizer, tmp_path, monkeypatch):
     meta = json.loads(next(data.TOKEN_DIR.glob("*/tokens.json")).read_text())
     assert (meta["tokens"], meta["complete"]) == (N, False)
     monkeypatch.setattr(data, "write_token_file", lambda *a: pytest.fail("rewritten for less"))
-    assert torch.equal(data.train_blocks(tokenizer, str(path), seq_len, 10), blocks["train"][:10])
+    again = data.corpus_blocks(tokenizer, str(path), seq_len, 10 * seq_len)["train"]
+    assert torch.equal(again[:10], blocks["train"][:10])
 
 
 def test_the_token_file_is_reused_and_follows_the_corpus(tokenizer, tmp_path, token_dir):
@@ -151,7 +167,7 @@ def test_the_token_file_is_reused_and_follows_the_corpus(tokenizer, tmp_path, to
 
 
 def test_ids_beyond_uint16_are_stored_as_uint32(tokenizer, tmp_path, token_dir):
-    tok = type(tokenizer).from_pretrained(common.default_model())
+    tok = type(tokenizer).from_pretrained(data.default_model())
     tok.add_tokens([f"<w{i}>" for i in range(65536 - len(tok) + 8)])  # ids up to 65543
     text = "a <w16390> b <w16385> c"
     path = tmp_path / "c.txt"
@@ -180,10 +196,10 @@ def test_bad_corpora_are_one_line_errors(case, tokenizer, tmp_path, monkeypatch,
         if case == "no pyarrow":
             monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # import then fails
     elif case == "no template":
-        tok = type(tokenizer).from_pretrained(common.default_model())
+        tok = type(tokenizer).from_pretrained(data.default_model())
         tok.chat_template = None
         path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    with pytest.raises(common.E3Error, match=expect[case]):
+    with pytest.raises(data.E3Error, match=expect[case]):
         whole_stream(tok, path, field)
     assert not list(token_dir.glob("*/*"))  # no token file, not even a temporary one
 
@@ -193,7 +209,7 @@ def test_two_ranks_stop_together_when_rank_0_finds_no_text(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "cache_teacher.py", "--model", common.default_model(), "--data", str(empty),
+           "cache_teacher.py", "--model", data.default_model(), "--data", str(empty),
            "--out", str(tmp_path / "cache")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "E3_TOKEN_CACHE": str(tmp_path / "t")}
     r = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True,

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-import common
+import cache_teacher
 import evaluate
 import surgery
 
@@ -193,6 +193,17 @@ def test_greedy_loop_matches_generate(assets):
     assert tokens.shape == (2, 6) and torch.equal(tokens, ref[:, 8:])
 
 
+def test_greedy_loop_passes_the_kv_cache_by_its_current_name(assets):
+    """transformers 5 renamed past_key_values to cache, the old name to be removed in 5.40: the loop
+    must not use it (a fresh install of a later 5.x would break evaluate.py and bench.py)."""
+    import warnings
+    prompts = torch.randint(49152, (1, 8), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        evaluate.greedy(assets["student_model"], prompts, 4, evaluate.Clock("cpu"))
+    assert not [w for w in caught if "past_key_values" in str(w.message)], caught
+
+
 def test_figures_from_log(assets, tmp_path):
     image = pytest.importorskip("matplotlib.image")
     info = json.loads((assets["run"] / "model" / "pruning.json").read_text())
@@ -228,7 +239,7 @@ def test_lm_eval_local_task_offline(assets, tokenizer, monkeypatch):
     pytest.importorskip("lm_eval")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    res = evaluate.run_tasks(assets["student_model"], tokenizer, ["shakespeare_mc"], ROOT / "tasks", batch_size=8)
+    res = evaluate.run_tasks(assets["student_model"], tokenizer, ["shakespeare_mc"], ROOT / "experiments" / "tasks", batch_size=8)
     assert 0 <= res["shakespeare_mc"]["acc"] <= 1 and 0 <= res["shakespeare_mc"]["acc_norm"] <= 1
 
 
@@ -244,7 +255,7 @@ def test_errors_are_one_line(assets, tmp_path, capsys):
                          (["--model", str(assets["teacher"]), "--data", "/nowhere.txt"], "--data"),
                          (["--gen-len", "1"], "--gen-len")):
         with pytest.raises(SystemExit) as e:
-            common.run_main(lambda: evaluate.main(argv + ["--out", str(tmp_path / "o")]))
+            cache_teacher.run_main(lambda: evaluate.main(argv + ["--out", str(tmp_path / "o")]))
         err = capsys.readouterr().err  # may hold transformers' loading progress bars before the error
         assert e.value.code == 2 and "Traceback" not in err
         assert err.strip().splitlines()[-1].startswith("error:") and err.count("error:") == 1 and needle in err
@@ -253,7 +264,7 @@ def test_errors_are_one_line(assets, tmp_path, capsys):
 def test_optional_packages_missing(assets, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now raises ImportError
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(common.E3Error, match="pip install lm-eval"):
+    with pytest.raises(cache_teacher.E3Error, match="pip install lm-eval"):
         evaluate.run_tasks(assets["student_model"], None, ["shakespeare_mc"])
     assert evaluate.figures(assets["run"] / "log.jsonl", None, str(tmp_path / "x")) == []
     assert "pip install matplotlib" in capsys.readouterr().out

@@ -1,14 +1,9 @@
-"""Top-K KD (eq. 12) and adaptive KD (eq. 13) against an independent float64 computation."""
+"""Top-K KD (eq. 12), adaptive KD (eq. 13) and next-token CE, kd.py's plain functions of the logits,
+against an independent float64 computation."""
 import pytest
 import torch
 
-from kd import head_kd_loss, next_token_targets
-
-
-def topk_kd_loss(logits, ids, lp, entropy=None, mask=None, chunk_tokens=1024):
-    """The loss of given logits: head_kd_loss with the identity as the head (z = h I^T = h)."""
-    eye = torch.eye(logits.shape[-1], dtype=logits.dtype)
-    return head_kd_loss(logits, eye, None, ids, lp, entropy, mask, chunk_tokens=chunk_tokens)
+from kd import LOSSES, next_token_loss, topk_kd_loss
 
 
 def reference(student, teacher, K, weight_by_entropy, mask):
@@ -32,7 +27,7 @@ def test_matches_float64_reference(K, akd, with_mask):
     student, teacher = torch.randn(B, T, V) * 2, torch.randn(B, T, V) * 2
     mask = torch.rand(B, T) > 0.3 if with_mask else None
     ref, ids, lp, ent = reference(student, teacher, K, akd, mask)
-    got = topk_kd_loss(student, ids, lp.float(), ent.float() if akd else None, mask, chunk_tokens=5)
+    got = topk_kd_loss(student, ids, lp.float(), ent.float() if akd else None, mask)
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
     if K == V and not akd:  # K = V is the full KL(p_t || p_s)
         full = torch.nn.functional.kl_div(torch.log_softmax(student.double(), -1),
@@ -59,7 +54,7 @@ def test_masked_positions_get_no_gradient_and_bf16_is_upcast():
     lp, ids = lt.topk(K, -1)
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[0, 3:] = False
-    loss = topk_kd_loss(student, ids, lp, -(lt.exp() * lt).sum(-1), mask, chunk_tokens=4)
+    loss = topk_kd_loss(student, ids, lp, -(lt.exp() * lt).sum(-1), mask)
     assert loss.dtype == torch.float32
     loss.backward()
     assert student.grad[0, 3:].abs().sum() == 0
@@ -68,18 +63,18 @@ def test_masked_positions_get_no_gradient_and_bf16_is_upcast():
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)
 
 
-def test_chunked_gradient_equals_unchunked():
+def test_gradient_equals_float64_autograd():
+    """dL/dz of eq. 13 through kd.py's fp32 function equals float64 autograd of the definition."""
     torch.manual_seed(3)
-    student = torch.randn(2, 9, 20, requires_grad=True)
-    lt = torch.log_softmax(torch.randn(2, 9, 20), -1)
+    student = torch.randn(2, 9, 20, dtype=torch.float64, requires_grad=True)
+    lt = torch.log_softmax(torch.randn(2, 9, 20, dtype=torch.float64), -1)
     lp, ids = lt.topk(5, -1)
-    g = []
-    for chunk in (1, 4, 10_000):
-        student.grad = None
-        topk_kd_loss(student, ids, lp, chunk_tokens=chunk).backward()
-        g.append(student.grad.clone())
-    torch.testing.assert_close(g[0], g[2])
-    torch.testing.assert_close(g[1], g[2])
+    ent = -(lt.exp() * lt).sum(-1)
+    ref, *_ = reference(student, lt, 5, True, None)  # log_softmax(lt) = lt
+    (g_ref,) = torch.autograd.grad(ref, student)
+    s32 = student.detach().float().requires_grad_(True)
+    topk_kd_loss(s32, ids, lp.float(), ent.float()).backward()
+    torch.testing.assert_close(s32.grad.double(), g_ref, rtol=1e-4, atol=1e-7)
 
 
 def test_cross_entropy_ignores_padding():
@@ -89,82 +84,6 @@ def test_cross_entropy_ignores_padding():
     mask[1, 2:] = False
     lp = torch.log_softmax(logits.double(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
     valid = mask[:, 1:]
-    targets, zeros, counted = next_token_targets(ids, mask)
-    torch.testing.assert_close(topk_kd_loss(logits, targets, zeros, mask=counted).double(),
+    torch.testing.assert_close(next_token_loss(logits, ids, mask).double(), -lp[valid].mean())
+    torch.testing.assert_close(LOSSES["sft"](logits, {"input_ids": ids, "mask": mask}).double(),
                                -lp[valid].mean())
-
-
-@pytest.mark.parametrize("chunk", [1, 4, 10_000])
-@pytest.mark.parametrize("softcap", [None, 3.0])
-def test_fused_head_loss_equals_float64_logits_path(chunk, softcap):
-    """head_kd_loss (LM head + loss fused, chunked, gradients made in the forward) against float64
-    autograd through the whole logits: loss and the gradients of h, W and b; entropy weights, a
-    padding mask, and a head with 2 padding rows past the vocabulary (no gradient there)."""
-    torch.manual_seed(5)
-    B, T, d, V, K = 2, 7, 6, 30, 4
-    h = torch.randn(B, T, d, dtype=torch.float64, requires_grad=True)
-    W = torch.randn(V + 2, d, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(V + 2, dtype=torch.float64, requires_grad=True)
-    lt = torch.log_softmax(torch.randn(B, T, V, dtype=torch.float64) * 2, -1)
-    lp, ids = lt.topk(K, -1)
-    ent = -(lt.exp() * lt).sum(-1)
-    mask = torch.rand(B, T, generator=torch.Generator().manual_seed(0)) > 0.3
-    post = (lambda z: softcap * torch.tanh(z / softcap)) if softcap else None
-
-    z = (h @ W.t() + b)[..., :V]  # the reference: the whole (B, T, V) logits, float64
-    z = post(z) if post else z
-    ls = torch.log_softmax(z, -1)
-    per_tok = (lp.exp() * (lp - ls.gather(-1, ids))).sum(-1) * ent
-    ref = per_tok[mask].sum() / mask.sum()
-    ref_grads = torch.autograd.grad(ref * 0.25, (h, W, b))  # 0.25: a micro-batch's 1 / n_micro
-
-    hf, Wf, bf = (t.detach().float().requires_grad_(True) for t in (h, W, b))
-    got = head_kd_loss(hf, Wf, bf, ids, lp.float(), ent.float(), mask, post=post, vocab=V,
-                       chunk_tokens=chunk)
-    (got * 0.25).backward()
-    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
-    for t, r in zip((hf, Wf, bf), ref_grads):
-        torch.testing.assert_close(t.grad.double(), r, rtol=1e-4, atol=1e-6)
-    assert Wf.grad[V:].abs().sum() == 0 and hf.grad[~mask].abs().sum() == 0
-    with torch.no_grad():  # validation's path: the loss alone, the same number
-        torch.testing.assert_close(head_kd_loss(hf, Wf, bf, ids, lp.float(), ent.float(), mask,
-                                                post=post, vocab=V, chunk_tokens=chunk), got)
-
-
-def test_next_token_targets_give_cross_entropy():
-    """Cross-entropy as top-1 KD against a one-hot teacher: equals F.cross_entropy in float64 on
-    the next tokens, the last position and padded positions (and the ones before them) excluded."""
-    torch.manual_seed(6)
-    B, T, d, V = 2, 9, 5, 17
-    h, W = torch.randn(B, T, d, dtype=torch.float64), torch.randn(V, d, dtype=torch.float64)
-    x = torch.randint(0, V, (B, T))
-    mask = torch.ones(B, T, dtype=torch.bool)
-    mask[1, 6:] = False
-    ids, lp, valid = next_token_targets(x, mask)
-    got = head_kd_loss(h.float(), W.float(), None, ids, lp, mask=valid, chunk_tokens=4)
-    logits, labels = (h @ W.t())[:, :-1], x[:, 1:].clone()
-    labels[~mask[:, 1:]] = -100
-    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, V), labels.reshape(-1),
-                                            ignore_index=-100)
-    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
-
-
-def test_fused_head_gradient_of_a_bf16_head_is_rounded_once():
-    """Under FSDP's bf16 parameters the head's dW is a sum over many chunks: summed in bf16 chunk by
-    chunk it drifted (1.1% from the float64 reference at 128 chunks); accumulated in fp32 and rounded
-    once it is as close as one bf16 matmul over all tokens (0.27%)."""
-    g = torch.Generator().manual_seed(7)
-    n, d, V, K = 4096, 16, 64, 4
-    h = torch.randn(n, d, generator=g, dtype=torch.float64)
-    W = torch.randn(V, d, generator=g, dtype=torch.float64) * 0.3
-    lt = torch.log_softmax(torch.randn(n, V, generator=g, dtype=torch.float64), -1)
-    lp, ids = lt.topk(K, -1)
-    Wr = W.clone().requires_grad_(True)
-    ref = (lp.exp() * (lp - torch.log_softmax(h @ Wr.t(), -1).gather(-1, ids))).sum(-1).mean()
-    (ref_dW,) = torch.autograd.grad(ref, Wr)
-    Wb = W.to(torch.bfloat16).requires_grad_(True)
-    head_kd_loss(h.to(torch.bfloat16)[None], Wb, None, ids[None], lp.float()[None],
-                 chunk_tokens=32).backward()
-    assert Wb.grad.dtype == torch.bfloat16
-    err = (Wb.grad.double() - ref_dW).norm() / ref_dW.norm()
-    assert err < 0.005, err

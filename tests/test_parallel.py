@@ -19,11 +19,12 @@ import gc, os, sys, weakref
 from types import SimpleNamespace
 import torch
 sys.path.insert(0, sys.argv[2])
-import common, parallel, prune
-from surgery import decoder_layers
-rank, world, device = common.init_distributed()
-model, _ = common.load_model(sys.argv[1], weights=rank == 0)
-model = parallel.distribute(model, device, rank, world).train()
+import cache_teacher, prune
+from scale.fsdp import parallelize
+from surgery import LayerSearch, decoder_layers
+rank, world, device = cache_teacher.init_distributed()
+model, _ = cache_teacher.load_model(sys.argv[1], weights=rank == 0)
+model = parallelize(model, device).train()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 ids = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(rank))
 def step():
@@ -34,8 +35,8 @@ removed = decoder_layers(model)[2]
 dead = weakref.ref(removed)
 del removed
 args = SimpleNamespace(keep=4, lr=1e-3, weight_decay=0.0)
-scores = torch.tensor([9., 9., 0., 0., 9., 9.])
-kept, opt = prune.prune_to_top_k(model, opt, scores, args, [])
+search = LayerSearch(torch.tensor([9., 9., 0., 0., 9., 9.]), args, 6, 0, [], device)
+kept, opt = prune.prune_to_top_k(model, opt, search, args)
 gc.collect()
 units = len(model._get_fsdp_state()._state_ctx.all_states)
 step()  # the k-layer model trains on
@@ -48,7 +49,7 @@ torch.distributed.destroy_process_group()
 def test_the_cut_frees_the_removed_layers_fsdp_units(make_tiny, tmp_path):
     """After prune_to_top_k under FSDP2 the root lists k + 1 units (the kept layers, itself: the tied
     embedding and LM head are vocabulary-parallel, no unit), and a removed layer is garbage: before
-    parallel.drop_removed_layers it listed L + 1, the removed layers alive."""
+    scale.fsdp.drop_removed_layers it listed L + 1, the removed layers alive."""
     script = tmp_path / "cut.py"
     script.write_text(AFTER_THE_CUT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -114,10 +115,10 @@ def tied_grads(model, batches, adds_rows):
     """dL/dtheta of a copy of `model`, summed over the micro-batches (float64, one process)."""
     import copy
 
-    import parallel
+    from scale.fsdp import tied_lookup_adds_rows
     model = copy.deepcopy(model).double()
     if adds_rows:
-        parallel.tied_lookup_adds_rows(model)
+        tied_lookup_adds_rows(model)
     for ids in batches:
         model(input_ids=ids, labels=ids).loss.backward()
     return {n: p.grad for n, p in model.named_parameters()}
@@ -131,7 +132,7 @@ def test_tied_lookup_adds_rows_gives_autograds_gradient():
     from conftest import tiny_config
     from transformers import AutoModelForCausalLM
 
-    import parallel
+    from scale.fsdp import tied_lookup_adds_rows
     torch.manual_seed(0)
     config = tiny_config("llama", 2, vocab=300)
     config.pad_token_id = 7
@@ -149,7 +150,7 @@ def test_tied_lookup_adds_rows_gives_autograds_gradient():
     config.tie_word_embeddings = False
     untied = AutoModelForCausalLM.from_config(config)
     forward = untied.get_input_embeddings().forward
-    parallel.tied_lookup_adds_rows(untied)
+    tied_lookup_adds_rows(untied)
     assert untied.get_input_embeddings().forward == forward
 
 
@@ -158,16 +159,16 @@ import json, sys
 import torch
 from torch.distributed.tensor import DTensor
 sys.path.insert(0, sys.argv[2])
-import common, parallel
-parallel.GLOO_CHUNK_BYTES = 4096  # every unit's collectives in many pieces, the last one short
-rank, world, device = common.init_distributed()
+import cache_teacher, scale.fsdp
+scale.fsdp.GLOO_CHUNK_BYTES = 4096  # every unit's collectives in many pieces, the last one short
+rank, world, device = cache_teacher.init_distributed()
 ids = [torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(10 * r + m)) for r in range(world)
        for m in range(2)]
-ref, _ = common.load_model(sys.argv[1])  # plain autograd, one process: the mean over the ranks' batches
+ref, _ = cache_teacher.load_model(sys.argv[1])  # plain autograd, one process: the mean over the ranks' batches
 for x in ids:
     (ref(input_ids=x, labels=x).loss / world).backward()
-model, _ = common.load_model(sys.argv[1], weights=rank == 0)
-model = parallel.distribute(parallel.tied_lookup_adds_rows(model), device, rank, world).train()
+model, _ = cache_teacher.load_model(sys.argv[1], weights=rank == 0)
+model = scale.fsdp.parallelize(model, device).train()  # the tied lookup that adds its rows too
 # what each unit holds while the backward runs: a DTensor weight = the unit is back to its shards
 embed, head = model.get_input_embeddings(), model.get_output_embeddings()
 seen = {}
@@ -228,8 +229,8 @@ import gc, os, sys
 import torch
 import torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-import common, parallel
-rank, world, device = common.init_distributed()
+import cache_teacher, scale.fsdp as parallel
+rank, world, device = cache_teacher.init_distributed()
 def rss(field):
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field)) / 1024
 def extra_mb(fn):  # peak resident memory above what was resident when fn started
@@ -266,7 +267,7 @@ dist.destroy_process_group()
 
 
 def test_gloo_collectives_in_pieces(tmp_path):
-    """parallel.ChunkedReduceScatter / ChunkedAllGather give gloo's own results bit for bit (odd sizes, a
+    """scale.fsdp.ChunkedReduceScatter / ChunkedAllGather give gloo's own results bit for bit (odd sizes, a
     short last piece), and bound the buffer a collective adds: gloo's own copy the whole 128 MB through
     one (>= 120 MB above input and output), in 16 MB pieces the extra is < 48 MB."""
     script = tmp_path / "chunked.py"
@@ -290,9 +291,10 @@ import os, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 import prune
+from scale.fused_loss import FusedLoss
 calls, seen = [0], []
-kd_loss = prune.kd_loss
-def recording_kd_loss(model, *a, **k):
+fused = FusedLoss.__call__
+def recording(self, model, *a, **k):
     if torch.is_grad_enabled():
         if calls[0] % 2:  # the step's second micro-batch: the first one's backward is done
             params = [p for p in model.parameters() if p.requires_grad]
@@ -300,8 +302,8 @@ def recording_kd_loss(model, *a, **k):
             seen.append(all(p.grad is not None and p.grad.to_local().numel() == p.to_local().numel()
                             for p in params))
         calls[0] += 1
-    return kd_loss(model, *a, **k)
-prune.kd_loss = recording_kd_loss
+    return fused(self, model, *a, **k)
+FusedLoss.__call__ = recording
 prune.main(sys.argv[2:])
 rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 os.write(1, f"rank {rank}: sharded after micro-batch 1: {seen}\n".encode())  # one write, one line
@@ -331,9 +333,9 @@ import json, sys
 import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 sys.path.insert(0, sys.argv[1])
-import common
-from kd import head_kd_loss
-rank, world, device = common.init_distributed()
+import cache_teacher
+from scale.fused_loss import head_kd_loss
+rank, world, device = cache_teacher.init_distributed()
 mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
 torch.manual_seed(5)  # the same draws on every rank: each rank's tokens and the whole W, b
 # 2 ranks: 31 rows, 16 + 15, the last 2 past the vocabulary; 4 ranks: 5 rows, 2 + 2 + 1 + 0
@@ -384,7 +386,7 @@ torch.distributed.destroy_process_group()
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_vocabulary_parallel_loss_equals_float64_whole_logits(tmp_path, world):
-    """kd.head_kd_loss with the head's rows split over gloo ranks (DTensors: uneven rows, 2 past the
+    """scale.fused_loss.head_kd_loss with the head's rows split over gloo ranks (DTensors: uneven rows, 2 past the
     vocabulary, a bias, soft-capping, different token counts per rank, chunks smaller than a rank's tokens;
     at 4 ranks one rank with no rows and one with no tokens) against float64 autograd through each rank's
     whole logits in one process: each rank's loss, its dL/dh, and dL/dW, dL/db of the mean over ranks (what
@@ -404,3 +406,35 @@ def test_vocabulary_parallel_loss_equals_float64_whole_logits(tmp_path, world):
         assert abs(r["loss"]) < 1e-5 and abs(r["no_grad"]) < 1e-6, ranks
         assert r["dh"] < 1e-5 and r["dW"] < 1e-5 and r["db"] < 1e-5 and r["past_vocab"] == 0, ranks
         assert r["uneven"].startswith("vocabulary-parallel head_kd_loss: the ranks scaled"), ranks
+
+
+FREED = r"""
+import os, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+if sys.argv[2] == "fixed":
+    from scale.fsdp import release_freed_memory
+    release_freed_memory()
+def resident_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+big = torch.ones(24 << 20, dtype=torch.uint8)
+del big  # glibc's dynamic threshold: freeing a 24 MB mapped block raises it to 24 MB
+before = resident_mb()
+blocks = [torch.ones(1 << 18) for _ in range(128)]  # 128 x 1 MB: heap memory, under the threshold
+keeper = torch.ones(16)  # allocated last: it pins the top of the heap
+del blocks
+print(round(resident_mb() - before))
+"""
+
+
+def test_freed_tensors_go_back_to_the_os_on_cpu_ranks(tmp_path):
+    """glibc keeps freed blocks under its mmap threshold in the heap and raises the threshold as
+    large blocks are freed: 128 MB of freed 1 MB tensors stayed resident (the host-memory goal held
+    only with MALLOC_MMAP_THRESHOLD_ set by hand). scale.fsdp fixes the threshold on CPU ranks."""
+    script = tmp_path / "freed.py"
+    script.write_text(FREED)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    held = {how: int(subprocess.run([sys.executable, str(script), str(ROOT), how], env=env,
+                                    capture_output=True, text=True, check=True).stdout.split()[-1])
+            for how in ("default", "fixed")}
+    assert held["default"] > 100 and held["fixed"] < 20, held

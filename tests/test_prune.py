@@ -22,8 +22,8 @@ L, K = 6, 4
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """One Shakespeare play as a .txt file: a small, real corpus."""
-    import common
-    plays = sorted(Path(common.default_corpus()).rglob("*.md"))
+    import cache_teacher
+    plays = sorted(Path(cache_teacher.default_corpus()).rglob("*.md"))
     path = tmp_path_factory.mktemp("corpus") / "play.txt"
     path.write_text(plays[0].read_text()[:60_000])
     return str(path)
@@ -93,9 +93,8 @@ def test_only_k_layers_run_after_the_cut(make_tiny, corpus, tmp_path, monkeypatc
     """Counted from outside prune.py (a global forward hook on every decoder layer, training forwards
     only): T_M steps x 4 micro-batches x L layers (masked layers still run: their delta is the score's
     gradient), then (T - T_M) x 4 x K. A removed layer that still ran would add 4 x (L - K) a step."""
-    import common
     import prune
-    monkeypatch.setattr(common, "TEACHER_CACHE_DIR", tmp_path / "teacher")
+    monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
     calls = []
 
     def count(module, args):
@@ -237,9 +236,8 @@ def test_resume_after_the_search_on_two_ranks(single_run, tmp_path):
 
 def test_exported_logits_equal_training_model(make_tiny, corpus, tmp_path, monkeypatch):
     """In-process, with LoRA: the model in memory at the end == the exported checkpoint (LoRA merged)."""
-    import common
     import prune
-    monkeypatch.setattr(common, "TEACHER_CACHE_DIR", tmp_path / "teacher")
+    monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
     out = tmp_path / "run"
     model = prune.main(tiny_args(make_tiny("llama", L), corpus, out, "--lora-rank", "4"))
     ids = torch.randint(0, 49152, (2, 20), generator=torch.Generator().manual_seed(0))
@@ -263,27 +261,44 @@ def tree_state(path):
     return {str(p): p.stat().st_mtime_ns for p in Path(path).rglob("*")}
 
 
-def test_bad_inputs_fail_with_one_line(single_run, make_tiny, corpus, tmp_path):
+def one_line_error(argv, capsys, *words):
+    """prune.py's command line run in this process (run_main, as `python prune.py` does): exit status 2
+    and one `error:` line holding `words`, no traceback."""
+    import cache_teacher
+    import prune
+    with pytest.raises(SystemExit) as e:
+        cache_teacher.run_main(lambda: prune.main(argv))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and all(w in lines[0] for w in words), err[-2000:]
+
+
+def test_bad_inputs_fail_with_one_line(single_run, make_tiny, corpus, tmp_path, capsys, monkeypatch):
+    import prune
+    monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
     model = make_tiny("llama", L)
     new = tmp_path / "new"
     for keep in ("0", str(L), "1"):  # outside 1..L-1, or below the 2 protected layers
         a = tiny_args(model, corpus, new)
         a[a.index("--keep") + 1] = keep
-        assert_one_line_error(run(a, tmp_path, check=False), "--keep")
-    assert_one_line_error(run(tiny_args(str(tmp_path / "nope"), corpus, new), tmp_path, check=False), "model")
-    assert_one_line_error(run(tiny_args(model, corpus, new, "--logit-chunk", "0"), tmp_path, check=False),
-                          "--logit-chunk")
-    assert_one_line_error(run(tiny_args(model, str(tmp_path / "nope.txt"), new), tmp_path, check=False), "data")
+        if keep == "0":  # once as a user runs it: a process of its own
+            assert_one_line_error(run(a, tmp_path, check=False), "--keep")
+        else:
+            one_line_error(a, capsys, "--keep")
+    one_line_error(tiny_args(str(tmp_path / "nope"), corpus, new), capsys, "model")
+    one_line_error(tiny_args(model, corpus, new, "--logit-chunk", "-1"), capsys, "--logit-chunk")
+    one_line_error(tiny_args(model, str(tmp_path / "nope.txt"), new), capsys, "data")
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
-    assert_one_line_error(run(tiny_args(model, str(empty), new), tmp_path, check=False), "no text")
+    one_line_error(tiny_args(model, str(empty), new), capsys, "no text")
     assert not new.exists()  # nothing written for a run that could not start
 
     # an output folder that holds a different (finished) run is refused and left untouched
     before = tree_state(single_run)
     other = tiny_args(model, corpus, single_run, "--loss", "kd")
     assert_one_line_error(run(other, tmp_path, check=False), "different run")
-    assert_one_line_error(run(tiny_args(model, corpus, single_run), tmp_path, check=False), "--resume")
+    one_line_error(tiny_args(model, corpus, single_run), capsys, "--resume")
     assert tree_state(single_run) == before
 
 
@@ -395,10 +410,10 @@ def test_masks_per_step_gives_each_draw_its_share_of_the_micro_batches(make_tiny
     """--masks-per-step 2 with 4 micro-batches a step: micro-batches 0 and 2 run one mask, 1 and 3 another,
     each a valid k'_t subset with the protected layers on; the first draw is the draw of the one-mask run
     (the generator's stream is unchanged). Scores all equal (--score-scale 0): the draws differ by chance alone."""
-    import common
+    import cache_teacher
     import prune
     import surgery
-    monkeypatch.setattr(common, "TEACHER_CACHE_DIR", tmp_path / "teacher")
+    monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
     masks = []
 
     class Recording(surgery.LayerGates):  # every mask the loop puts on the gates, in order
@@ -432,7 +447,7 @@ def test_masks_per_step_gives_each_draw_its_share_of_the_micro_batches(make_tiny
     assert runs[2][0][0] == runs[1][0][0]  # step 1: the first of two draws is the one-mask run's draw
     assert differ >= 2  # 4 steps of 2 draws of 2-3 of 4 free layers: equal every time with p < 1e-2
 
-    with pytest.raises(common.E3Error, match="masks-per-step"):  # 4 micro-batches do not split in 3
+    with pytest.raises(cache_teacher.E3Error, match="masks-per-step"):  # 4 micro-batches do not split in 3
         prune.main(tiny_args(model, corpus, tmp_path / "n3", "--masks-per-step", "3"))
 
 
@@ -441,22 +456,21 @@ def test_score_scale_lr_schedule_search_loss_and_calib_data(single_run, make_tin
     steps S at 0.2, 0.15, 0.1, 0.05 (lr_S (T_M - t + 1) / T_M, T_M = 4, written out). --search-loss sft: the
     search's micro-batches use next-token CE, the fine-tune's AKD. --calib-data: the importance is that of a
     run whose --data is that file."""
-    import common
     import prune
-    monkeypatch.setattr(common, "TEACHER_CACHE_DIR", tmp_path / "teacher")
+    monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
     kinds, score_lrs = [], []
-    kd_loss, adam_step = prune.kd_loss, torch.optim.Adam.step
+    plain_losses, adam_step = prune.plain_losses, torch.optim.Adam.step
 
-    def recording_kd_loss(model, batch, kind, *a, **k):
-        if torch.is_grad_enabled():
-            kinds.append(kind)
-        return kd_loss(model, batch, kind, *a, **k)
+    def recording_losses(*a, **k):  # the losses every training micro-batch asks for
+        losses = plain_losses(*a, **k)
+        return lambda model, batch, asked: [kinds.extend(asked) if torch.is_grad_enabled() else None,
+                                            losses(model, batch, asked)][1]
 
     def recording_step(self, *a, **k):
         if len(self.param_groups[0]["params"]) == 1 and self.param_groups[0]["params"][0].numel() == L:
             score_lrs.append(self.param_groups[0]["lr"])  # the scores' Adam (the weights' is AdamW)
         return adam_step(self, *a, **k)
-    monkeypatch.setattr(prune, "kd_loss", recording_kd_loss)
+    monkeypatch.setattr(prune, "plain_losses", recording_losses)
     monkeypatch.setattr(torch.optim.Adam, "step", recording_step)
     model = make_tiny("llama", L)
     out = tmp_path / "variants"
@@ -469,7 +483,8 @@ def test_score_scale_lr_schedule_search_loss_and_calib_data(single_run, make_tin
 
     # another text for the calibration only: the importance of a run trained on that text
     other = tmp_path / "other.txt"
-    plays = sorted(Path(common.default_corpus()).rglob("*.md"))
+    import cache_teacher
+    plays = sorted(Path(cache_teacher.default_corpus()).rglob("*.md"))
     other.write_text(plays[1].read_text()[:60_000])
     short = ("--steps", "1", "--search", "none")
     prune.main(tiny_args(model, corpus, tmp_path / "calib", *short, "--calib-data", str(other)))
@@ -483,29 +498,33 @@ def test_search_data_is_what_the_search_reads(make_tiny, corpus, tmp_path, monke
     """--search-data: the Gumbel search's micro-batches come from that text and the fine-tune's from --data;
     evo and random score their sets on it. The search text is digits only, the play has letters: each batch
     tells, decoded, where it came from."""
-    import baselines
-    import common
+    import baselines.evo
     import prune
     from transformers import AutoTokenizer
-    monkeypatch.setattr(common, "TEACHER_CACHE_DIR", tmp_path / "teacher")
+    monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
     digits = tmp_path / "digits.txt"
     digits.write_text(" ".join(str(i * 7919 % 1000) for i in range(6000)))
     model = make_tiny("llama", L)
     tok = AutoTokenizer.from_pretrained(model)
-    texts, kd_loss = [], prune.kd_loss
+    texts, plain_losses = [], prune.plain_losses
 
-    def recording_kd_loss(m, batch, *a, **k):
-        if torch.is_grad_enabled():
-            texts.extend(tok.batch_decode(batch["input_ids"], skip_special_tokens=True))
-        return kd_loss(m, batch, *a, **k)
-    monkeypatch.setattr(prune, "kd_loss", recording_kd_loss)
+    def recording_losses(*a, **k):  # the text of every training micro-batch
+        losses = plain_losses(*a, **k)
+
+        def record(m, batch, kinds):
+            if torch.is_grad_enabled():
+                texts.extend(tok.batch_decode(batch["input_ids"], skip_special_tokens=True))
+            return losses(m, batch, kinds)
+        return record
+    monkeypatch.setattr(prune, "plain_losses", recording_losses)
     prune.main(tiny_args(model, corpus, tmp_path / "gumbel", "--search-data", str(digits)))
     is_digits = [set(text) <= set("0123456789 ") for text in texts]
     assert is_digits == [True] * 16 + [False] * 16  # 4 search steps, then 4 fine-tune steps, 4 micro-batches
 
     scored = []
-    cache_score = baselines.cache_score
-    monkeypatch.setattr(baselines, "cache_score", lambda m, cache, *a: scored.append(cache) or cache_score(m, cache, *a))
+    cache_score = baselines.evo.cache_score
+    monkeypatch.setattr(baselines.evo, "cache_score",
+                        lambda m, cache, *a: scored.append(cache) or cache_score(m, cache, *a))
     prune.main(tiny_args(model, corpus, tmp_path / "evo", "--search", "evo", "--evo-generations", "1",
                          "--evo-offspring", "2", "--evo-stages", "64:1", "--steps", "1", "--search-data", str(digits)))
     rows = scored[0].get(list(range(scored[0].len_split("train"))))["input_ids"]
@@ -513,13 +532,14 @@ def test_search_data_is_what_the_search_reads(make_tiny, corpus, tmp_path, monke
 
 
 def test_bench_drives_the_search_with_prune_settings():
-    """bench.py's search step runs GumbelTopKSearch on prune.py's own parsed settings: one step on 30 scores
+    """experiments/bench.py's search step runs GumbelTopKSearch on prune.py's own parsed settings: one step on 30 scores
     keeps k' = 25 layers (k'_1 of T_M = 2, written out) and moves S. (Its hand-made settings once lacked the
     fields a new flag added, and `bench.py search` died with an AttributeError.)"""
+    sys.path.insert(0, str(ROOT / "experiments"))
     import bench
     import prune
     S0 = torch.linspace(1, 0, 30)
-    search = prune.GumbelTopKSearch(S0.clone(), bench.prune_args(), 30, 2, [0, 29], "cpu")
+    search = prune.GumbelTopKSearch(S0.clone(), bench.prune_args(30, search_steps=2), 30, 20, [0, 29], "cpu")
     search.begin_step(1)
     mask = search.sample_mask()
     assert mask.sum().item() == 25 and set(mask.tolist()) == {0.0, 1.0}
@@ -535,3 +555,19 @@ def test_exported_initial_scores_are_the_importance_not_the_searched_scores(sing
     assert info["initial_scores"] == pytest.approx(events(single_run, "importance")[0]["scores"], rel=1e-6)
     assert info["final_scores"] == pytest.approx(events(single_run, "search")[-1]["scores"], rel=1e-6)
     assert info["final_scores"] != pytest.approx(info["initial_scores"], rel=1e-3)
+
+
+def test_a_cache_without_a_validation_split_validates_nothing(make_tiny, corpus, tmp_path):
+    """A cache built with --val-frac 0 has no validation sequences: the run trains and exports, and
+    logs no validation (it logged 0/0 = NaN at every one, silently)."""
+    from cache_teacher import build_cache
+    model = make_tiny("llama", L)
+    cache = build_cache(model, corpus, str(tmp_path / "cache"), topk=5, seq_len=32, max_tokens=4096,
+                        val_frac=0)
+    out = tmp_path / "run"
+    a = tiny_args(model, corpus, out, "--cache", cache)
+    a.remove("--seq-len"), a.remove("32")
+    proc = run(a, tmp_path)
+    assert not events(out, "val") and "NaN" not in (out / "log.jsonl").read_text()
+    done = json.loads(proc.stdout.split("done: ")[-1])
+    assert not any(k.startswith("val") for k in done) and len(done["kept_layers"]) == K

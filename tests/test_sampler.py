@@ -105,7 +105,7 @@ def test_schedules_reach_targets_when_search_ends():
 
 def test_hard_concrete_expected_l0_matches_monte_carlo():
     """Sheared-LLaMA baseline: E[#(z > 0)] in closed form equals the frequency over many samples."""
-    from sampler import expected_kept, hard_concrete
+    from baselines.sheared import expected_kept, hard_concrete
     log_alpha = torch.tensor([-2.0, -0.5, 0.0, 1.0, 3.0])
     u = torch.rand(200_000, 5, generator=torch.Generator().manual_seed(0))
     z = hard_concrete(log_alpha.expand(200_000, 5), u)

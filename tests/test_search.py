@@ -1,4 +1,5 @@
-"""The layer-set searches of baselines.py: mutations keep k layers and the protected ones, the
+"""The layer-set searches of baselines/evo.py: children keep k layers and the protected ones and follow
+EvoPress's law (enumerated here), the
 fitness equals a float64 KL written out here, the evolutionary search and the random control find
 the optimum of an additive objective found by enumeration, and on a planted teacher (two layers
 made the identity on purpose) the evolutionary search and prune.py's Gumbel search both remove
@@ -16,11 +17,14 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import baselines
-from conftest import torchrun_failure
-from baselines import (evo_search, first_tokens, fitness, mutate, offspring_of, random_genome,
-                       random_search)
+from fractions import Fraction
+
+import baselines.evo as baselines
+from baselines.evo import (evo_search, first_tokens, fitness, new_offspring, random_genome,
+                           random_search, swap)
 from cache_teacher import TeacherCache, build_cache
+from conftest import torchrun_failure
+from prune import plain_losses
 from surgery import decoder_layers
 from test_prune import corpus, events, kill_after_first_checkpoint, run  # noqa: F401  (corpus: a fixture)
 
@@ -30,27 +34,66 @@ V = 49152
 # -----------------------------------------------------------------------------
 # Genomes
 
-def test_mutation_keeps_k_layers_and_every_protected_one():
+def test_children_keep_k_layers_and_every_protected_one():
     gen = torch.Generator().manual_seed(0)
     L, k, protected = 12, 7, [0, 1, 11]
-    seen = set()
     parent = random_genome(L, k, protected, gen)
-    for _ in range(2000):
-        child = mutate(parent, L, protected, gen)
+    for n in range(300):
+        (child,) = new_offspring(parent, 1, L, protected, gen)
         assert len(child) == k == len(set(child)) and set(protected) <= set(child) <= set(range(L))
-        assert len(set(parent) - set(child)) == 1  # exactly one swap
-        seen.add(tuple(child))
-        many = offspring_of(parent, L, protected, gen, max_swaps=3)
-        assert len(many) == k == len(set(many)) and set(protected) <= set(many)
-        parent = random_genome(L, k, protected, gen) if len(seen) % 50 == 0 else parent
-    # every one-swap neighbour of the last parent is reachable: count them by enumeration
+        assert child != parent
+        parent = random_genome(L, k, protected, gen) if n % 50 == 0 else parent
+    # one flip reaches every one-swap neighbour: count them by enumeration
     fixed = random_genome(L, k, protected, gen)
-    out = [i for i in fixed if i not in protected]
     into = [i for i in range(L) if i not in fixed]
-    neighbours = {tuple(sorted(set(fixed) - {a} | {b})) for a in out for b in into}
-    got = {tuple(mutate(fixed, L, protected, gen)) for _ in range(3000)}
-    assert got == neighbours and len(got) == len(out) * len(into)
-    assert mutate([0, 1, 11], L, protected, gen) == [0, 1, 11]  # only the protected kept: no swap
+    neighbours = {tuple(sorted(set(fixed) - {a} | {b})) for a in fixed for b in into}
+    got = {tuple(swap(fixed, L, gen)) for _ in range(3000)}
+    assert got == neighbours and len(got) == k * len(into)
+    assert new_offspring([0, 1, 11], 1, L, protected, gen) == []  # only the protected kept: none
+
+
+def evopress_children(parent, L, protected, max_swaps=3):
+    """The exact law of EvoPress's whole-block child (evo_drop_search.py, --drop_entire_block),
+    enumerated: n = min(U{1..m}, U{1..m}) flips; a flip is the attention's or the MLP's with
+    probability 1/2 (the MLP's are overwritten by the attention's); the attention's flip drops a
+    uniformly random kept block and restores a uniformly random removed one; a child equal to its
+    parent or dropping an illegal (protected) block is drawn again."""
+    m = max_swaps
+    law = {}
+
+    def flips(child, left, p):
+        if left == 0:
+            law[tuple(child)] = law.get(tuple(child), 0) + p
+            return
+        flips(child, left - 1, p / 2)  # the MLP's flip
+        removed = [i for i in range(L) if i not in child]
+        for out in child:
+            for enters in removed:
+                flips(sorted(set(child) - {out} | {enters}), left - 1,
+                      p / 2 / len(child) / len(removed))
+    for n in range(1, m + 1):
+        p_n = Fraction(sum(min(a, b) == n for a in range(1, m + 1) for b in range(1, m + 1)), m * m)
+        flips(sorted(parent), n, p_n)
+    legal = {c: p for c, p in law.items() if c != tuple(parent) and set(protected) <= set(c)}
+    total = sum(legal.values())
+    return {c: float(p / total) for c, p in legal.items()}
+
+
+def test_children_follow_evopress_law():
+    """The children of a parent, drawn many times, against the exact law of EvoPress's whole-block
+    mutation loop enumerated above (the old mutation drew 1-3 swaps of unprotected layers with
+    probability 5/9, 3/9, 1/9: a different law)."""
+    L, protected, parent = 7, [0, 6], [0, 2, 3, 6]
+    exact = evopress_children(parent, L, protected)
+    gen = torch.Generator().manual_seed(0)
+    n = 20000
+    counts = {}
+    for _ in range(n):
+        (child,) = new_offspring(parent, 1, L, protected, gen)
+        counts[tuple(child)] = counts.get(tuple(child), 0) + 1
+    assert set(counts) == set(exact)
+    tv = 0.5 * sum(abs(counts[c] / n - p) for c, p in exact.items())
+    assert tv < 0.02, tv
 
 
 def test_random_genome_is_uniform_over_k_subsets():
@@ -173,7 +216,9 @@ def test_fitness_equals_float64_kl_and_leaves_the_model_whole(arch, make_tiny):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         before = model(ids).logits
-    got = fitness(model, [{"input_ids": ids, "topk_ids": top_ids, "topk_logprobs": top}], kept, V)
+    batch = {"input_ids": ids, "topk_ids": top_ids, "topk_logprobs": top,
+             "mask": torch.ones(ids.shape, dtype=torch.bool)}
+    got = fitness(model, [batch], kept, plain_losses(V))
     assert want > 0.005  # the removed layers matter
     assert got == pytest.approx(want, rel=1e-5)
     assert len(decoder_layers(model)) == 6 and model.config.num_hidden_layers == 6
@@ -195,9 +240,9 @@ class ListCache:
         return {key: v[list(indices)] for key, v in self.rows.items()}
 
 
-def test_score_on_the_first_tokens_equals_float64_kl_and_splits_over_ranks(make_tiny):
+def test_score_on_the_first_tokens_equals_float64_kl(make_tiny):
     """n_tokens = 2 sequences and 5 tokens of a third: the fitness is the KL over exactly those
-    tokens; split over 2 ranks, the ranks run the same number of forwards and share the tokens."""
+    tokens (every rank scores them all)."""
     path = make_tiny("llama", layers=6)
     kept, T, n = [0, 1, 4, 5], 8, 21
     ids = torch.randint(0, V, (4, T), generator=torch.Generator().manual_seed(1))
@@ -205,12 +250,10 @@ def test_score_on_the_first_tokens_equals_float64_kl_and_splits_over_ranks(make_
     want, top_ids, top = float64_kl(path, kept, ids, K=5, valid=valid)
     cache = ListCache(ids, top_ids, top)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    score = baselines.cache_score(model, cache, micro_batch=2)
+    score = baselines.cache_score(model, cache, plain_losses(V), micro_batch=2)
     assert score(kept, n) == pytest.approx(want, rel=1e-5)
-    shares = [first_tokens(cache, n, rank, 2, micro_batch=1) for rank in (0, 1)]
-    assert len(shares[0]) == len(shares[1]) == 2  # 3 sequences: 2 forwards on each rank
-    counted = [b["mask"].sum().item() for share in shares for b in share]
-    assert counted == [8, 8, 5, 0]  # rank 1's second forward is padding and counts nothing
+    counted = [b["mask"].sum().item() for b in first_tokens(cache, n, micro_batch=1)]
+    assert counted == [8, 8, 5]
     with pytest.raises(baselines.E3Error, match="larger cache"):
         first_tokens(cache, 4 * T + 1)
 
@@ -251,7 +294,8 @@ def planted_cache(planted, corpus, tmp_path_factory):  # noqa: F811
 
 def planted_score(path, cache):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return baselines.cache_score(model, TeacherCache(cache, AutoTokenizer.from_pretrained(path)), 2)
+    return baselines.cache_score(model, TeacherCache(cache, AutoTokenizer.from_pretrained(path)),
+                                 plain_losses(V), 2)
 
 
 def test_evo_search_removes_the_planted_identity_layers(planted, planted_cache):
@@ -326,14 +370,14 @@ def test_evo_run_killed_and_resumed_reports_its_search_tokens_and_plans_them(pla
 EVO_ON_RANKS = """
 import json, sys
 import torch
-import baselines, common
+import baselines.evo as baselines, cache_teacher
 from cache_teacher import TeacherCache
-from parallel import load_from_rank0, parallelize
-rank, world, device = common.init_distributed()
-model, tok = common.load_model(sys.argv[1], "cpu", torch.float32, weights=rank == 0)
-state = model.state_dict() if rank == 0 else {}  # the full tensors, read before sharding
-load_from_rank0(parallelize(model, device), state, rank, device)
-score = baselines.cache_score(model, TeacherCache(sys.argv[2], tok), micro_batch=2)
+from prune import plain_losses
+from scale.fsdp import parallelize
+rank, world, device = cache_teacher.init_distributed()
+model, tok = cache_teacher.load_model(sys.argv[1], "cpu", torch.float32, weights=rank == 0)
+model = parallelize(model, device)  # rank 0's weights, sent as shards
+score = baselines.cache_score(model, TeacherCache(sys.argv[2], tok), plain_losses(49152), 2)
 out = baselines.evo_search(score, 10, 8, [0, 9], torch.Generator().manual_seed(0), generations=4,
                            offspring=4, stages=[(80, 2), (300, 1)])
 # one file a rank: two ranks printing long lines into one pipe can interleave them
@@ -344,8 +388,8 @@ torch.distributed.destroy_process_group()
 
 
 def test_evo_search_on_two_fsdp_ranks_matches_one_process(planted, planted_cache, tmp_path):
-    """300 tokens = 9 sequences and 12 tokens over 2 ranks: uneven shares, a prefix, a padding
-    forward. Both ranks must take the same path and the fitness must be the one-process one."""
+    """300 tokens = 9 sequences and 12 tokens, a prefix, scored by both ranks of a sharded model: both
+    must take the same path and the fitness must be the one-process one."""
     path, cache = planted[0], planted_cache
     one = evo_search(planted_score(path, cache), 10, 8, [0, 9], torch.Generator().manual_seed(0),
                      generations=4, offspring=4, stages=[(80, 2), (300, 1)])

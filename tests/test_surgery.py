@@ -1,6 +1,6 @@
 """Layer surgery (importance, Sec. 3.2; removal and export) on tiny random Llama, Qwen2, Qwen3, Mistral and Gemma3 models:
 masked forward == bypassed original == exported checkpoint; KV-cache generation after reload;
-KL importance with prefix reuse == the naive L+1 full forwards."""
+KL importance with prefix reuse == the naive L+1 full forwards, in eval mode whatever the model's mode."""
 import json
 import types
 
@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from surgery import LayerGates, decoder_layers, export, layer_importance, remove_layers
+from baselines.shortgpt import block_influence
+from surgery import LayerGates, decoder_layers, export_pruned, kl_importance, remove_layers
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3_text"]
 
@@ -45,7 +46,9 @@ def test_export_equals_masked_and_bypassed_model(arch, make_tiny, tmp_path):
 
     tok = AutoTokenizer.from_pretrained(path)
     out = tmp_path / "pruned"
-    meta = export(model, tok, out, keep, L, {"source_model": path, "method": "test"})
+    pruned = remove_layers(load(path), keep)
+    state = {k: v.detach() for k, v in pruned.state_dict().items()}
+    meta = export_pruned(path, state, keep, L, tok, out, {"source_model": path, "method": "test"})
     reloaded = load(out)  # plain transformers, no project code
     assert reloaded.config.num_hidden_layers == len(keep) == len(decoder_layers(reloaded))
     if getattr(reloaded.config, "layer_types", None) is not None:
@@ -96,19 +99,42 @@ def test_kl_importance_prefix_reuse_equals_naive(arch, make_tiny):
     ids = torch.randint(0, 49152, (3, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = naive_kl_importance(path, ids)
-        got = layer_importance(load(path), [(ids[i:i + 1], None, 1) for i in range(3)], "kl")
+        got = kl_importance(load(path), [(ids[i:i + 1], None) for i in range(3)], 49152, chunk=5)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-7)
 
 
-def test_importance_ignores_pads_and_padding_batches(make_tiny):
+def test_importance_ignores_pads(make_tiny):
     path = make_tiny("llama", layers=5)
     model = load(path)
     ids = torch.randint(0, 49152, (1, 10), generator=torch.Generator().manual_seed(2))
     attn = torch.ones(1, 10, dtype=torch.long)
     attn[0, 6:] = 0  # right padding: positions 6.. never count
-    a = layer_importance(model, [(ids, attn, 1), (ids, None, 0)], "kl")
-    b = layer_importance(model, [(ids[:, :6], None, 1)], "kl")
+    a = kl_importance(model, [(ids, attn)], 49152)
+    b = kl_importance(model, [(ids[:, :6], None)], 49152)
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_importance_is_scored_in_eval_mode(tmp_path):
+    """A GPT-2 with dropout 0.1 handed over in train mode (as prune.py holds the student): its KL and
+    BI scores are the eval-mode model's, the naive reference's, every time; and it stays in train
+    mode. (Scored in train mode, each forward dropped other units: noisy, inflated scores.)"""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=300, n_embd=32, n_layer=5, n_head=4, n_positions=64,
+                     resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, initializer_range=0.2)
+    GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
+    path = str(tmp_path / "gpt2")
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = naive_kl_importance(path, ids)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+        for _ in range(2):
+            got = kl_importance(model, [(ids[i:i + 1], None) for i in range(2)], 300)
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-7)
+        assert model.training
+        bi = [block_influence(model, [(ids, None)]) for _ in range(2)]
+        torch.testing.assert_close(bi[0], bi[1], rtol=0, atol=0)
+        assert model.training
 
 
 def test_block_influence_matches_hidden_states(make_tiny):
@@ -118,7 +144,7 @@ def test_block_influence_matches_hidden_states(make_tiny):
     last_out = []
     decoder_layers(model)[4].register_forward_hook(lambda m, a, out: last_out.append(out))
     with torch.no_grad():
-        got = layer_importance(model, [(ids, None, 1)], "bi")
+        got = block_influence(model, [(ids, None)])
         hs = model(ids, output_hidden_states=True).hidden_states  # hs[l] = input of layer l, l < L
     # the last layer's output is read from the layer itself: in some transformers versions hs[L] is
     # after the final norm
@@ -129,7 +155,7 @@ def test_block_influence_matches_hidden_states(make_tiny):
 
 def test_architecture_without_decoder_layer_list_is_refused():
     from transformers import AutoConfig
-    from common import E3Error
+    from cache_teacher import E3Error
     cfg = AutoConfig.for_model("mamba", vocab_size=64, hidden_size=16, num_hidden_layers=2, state_size=4)
     model = AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(E3Error, match="decoder-layer list"):

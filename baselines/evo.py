@@ -1,43 +1,36 @@
 """
-Layer-set searches that E3-Pruner is compared with. Each returns the k layers to keep; prune.py then
-fine-tunes that set exactly as it fine-tunes E3's.
+The evolutionary depth search of EvoPress (Sieberling et al. 2024; IST-DASLab/EvoPress,
+evo_drop_search.py with --drop_entire_block: whole layers, as here), and the random-search control:
+each chooses a k-layer set before training (--search evo | random), which prune.py then fine-tunes
+exactly as it fine-tunes E3's.
 
   fitness(model, batches, kept)    F(G) = 1/N sum_i sum_{c in top-K} p_t,c (log p_t,c - log p_G,c):
                                    the unweighted top-K KD loss (kd.py, eq. 12) of the model that
                                    runs only the layers of G, on cached teacher targets
   cache_score(model, cache)        score(kept, n_tokens): F on the first n_tokens of the cache's
-                                   training split, shared over the ranks
-  evo_search(score, L, k, ...)     EvoPress's depth search (Sieberling et al. 2024; IST-DASLab/
-                                   EvoPress, evo_drop_search.py): mutation, successive halving
-  random_search(score, L, k, ...)  the best of N random k-subsets: the control that shows what a
-                                   search buys over chance at the same forward-token budget
-  HardConcreteSearch               Sheared-LLaMA (Xia et al. 2024) restricted to whole layers: one
-                                   hard-concrete gate z_l per layer (sampler.hard_concrete), trained
-                                   with the weights; the kept count is steered, in expectation, to
-                                   the same k'_t schedule by a Lagrangian whose multipliers ascend
+                                   training split
+  evo_search(score, L, k, ...)     mutation as EvoPress's (offspring_of), successive halving
+  random_search(score, L, k, ...)  the best of N random k-subsets at evo's forward-token budget:
+                                   what a search buys over chance
+  EvoSearch, RandomSearch          both as prune.py's layer searches (surgery.LayerSearch)
 
 A genome G is a sorted list of the k kept layers (original indices), the protected layers always
 among them. The searches are deterministic given their torch.Generator: under torchrun every rank
-seeds it alike, draws the same candidates and runs the same forwards, and the all-reduced fitness
-is the same on every rank.
+seeds it alike, draws the same candidates and scores them on the same tokens.
 
 One departure from EvoPress, which draws fresh calibration tokens for every selection: here every
 stage scores on the same first tokens (ranks and reruns agree, a genome's score can be memoised),
 and children are never genomes scored before (they would only score the same again). So the last
 stage must hold enough tokens not to be overfitted: on the demo model a 1024-token last stage
-preferred a set that is worse on held-out text; at 4096 tokens it did not (issue 17).
+preferred a set that is worse on held-out text; at 4096 tokens it did not.
 """
 import math
 from contextlib import contextmanager
 
 import torch
-from torch import nn
 
-import parallel
-from common import E3Error, all_reduce_sum, rank_and_world
-from kd import head_kd_loss
-from sampler import expected_kept, hard_concrete, k_schedule, lagrangian, score_lr_schedule
-from surgery import _layers_owner, head_losses, layer_configs, remove_layers
+from cache_teacher import E3Error, print0
+from surgery import LayerSearch, layer_configs, layers_owner, remove_layers, top_k_layers
 
 
 # -----------------------------------------------------------------------------
@@ -48,7 +41,7 @@ def only_layers(model, kept):
     """Inside the block the model runs only the decoder layers `kept` (original indices): it is
     pruned in place by surgery.remove_layers, and on exit its full ModuleList, its per-layer config
     lists and every layer_idx are put back, so nothing is copied and every weight stays shared."""
-    owner, attr = _layers_owner(model)
+    owner, attr = layers_owner(model)
     full = getattr(owner, attr)
     configs = layer_configs(model.config, len(full))
     saved_configs = [dict(vars(cfg)) for cfg in configs]  # remove_layers replaces lists, edits none
@@ -67,45 +60,32 @@ def only_layers(model, kept):
 
 
 @torch.no_grad()
-def fitness(model, batches, kept, vocab=None):
-    """F(G) = mean over the valid tokens of all ranks of the top-K KL to the teacher,
+def fitness(model, batches, kept, losses):
+    """F(G) = mean over the valid tokens of the top-K KL to the teacher,
 
         F(G) = 1/N sum_i sum_{c in top-K(i)} p_t,c (log p_t,c - log p_G,c),
 
-    p_G the model running only the layers G = `kept`. Lower is better. batches: this rank's dicts of
-    input_ids (B,T), topk_ids and topk_logprobs (B,T,K) and optionally mask (B,T) bool (False = not
-    counted; a batch with no valid token still runs, so that FSDP ranks run the same forwards).
-    Under torchrun the sums over tokens are all-reduced: every rank returns the same number."""
+    p_G the model running only the layers G = `kept`; lower is better. batches: dicts of input_ids
+    (B,T), topk_ids and topk_logprobs (B,T,K) and mask (B,T) bool (False: not counted); losses:
+    prune.py's (kd.py's plain loss, or the fused head's), kind "kd". In eval mode: a layer set
+    scores the same every time. Under torchrun every rank scores the same tokens."""
     dev = next(model.parameters()).device
-    total = torch.zeros(2, dtype=torch.float64, device=dev)  # sum of per-token KL, token count
-    training = model.training
-    model.eval()  # no dropout: a layer set must score the same every time it is asked
+    total, count, training = 0.0, 0, model.training
+    model.eval()
     try:
         with only_layers(model, kept):
             for b in batches:
-                b = {key: v.to(dev) for key, v in b.items()}
-                mask = b.get("mask")
-                n = b["topk_ids"].shape[:2].numel() if mask is None else int(mask.sum())
-
-                def kl_fn(x, weight, bias, post):  # the head + top-K KL fused: no (B, T, V) logits
-                    return head_kd_loss(x, weight, bias, b["topk_ids"], b["topk_logprobs"],
-                                        mask=mask, post=post, vocab=vocab)
-                with parallel.compute_context(model, dev):  # bf16 on one GPU, as in training
-                    # the mean over the batch's valid tokens: times n, their sum
-                    kl = head_losses(model, b["input_ids"], [kl_fn])[0]
-                total[0] += kl.double() * n
-                total[1] += n
+                n = int(b["mask"].sum())
+                (kl,) = losses(model, {key: v.to(dev) for key, v in b.items()}, ["kd"])
+                total, count = total + kl.double().item() * n, count + n  # the mean, times n
     finally:
-        model.train(training)  # the caller's mode: prune.py trains the model right after
-    all_reduce_sum(total)  # the token-weighted mean over all ranks, not a mean of rank means
-    return (total[0] / total[1].clamp(min=1)).item()
+        model.train(training)  # prune.py trains the model right after
+    return total / max(count, 1)
 
 
-def first_tokens(cache, n_tokens, rank=0, world=1, micro_batch=4):
-    """This rank's batches of the first `n_tokens` tokens of the cache's training split, in order:
-    whole sequences, then a prefix of the next one (a causal LM's prefix needs nothing after it).
-    The sequences are split evenly over the ranks; a rank short of sequences gets mask-all-False
-    batches, so every rank runs ceil(ceil(n / T / world) / micro_batch) forwards."""
+def first_tokens(cache, n_tokens, micro_batch=4):
+    """The first `n_tokens` tokens of the cache's training split as batches, in order: whole
+    sequences, then a prefix of the next one (a causal LM's prefix needs nothing after it)."""
     T = cache.seq_len
     available = cache.len_split("train") * T
     if n_tokens > available:
@@ -113,32 +93,26 @@ def first_tokens(cache, n_tokens, rank=0, world=1, micro_batch=4):
                       f"training split holds {available}; lower the search's token counts or build "
                       f"a larger cache")
     lengths = [T] * (n_tokens // T) + ([n_tokens % T] if n_tokens % T else [])
-    per_rank = math.ceil(len(lengths) / world)
-    # (sequence, tokens counted) for this rank's slots; a slot past the end counts 0 tokens
-    mine = [(i, lengths[i] if i < len(lengths) else 0)
-            for i in range(rank * per_rank, (rank + 1) * per_rank)]
     batches = []
-    for a in range(0, per_rank, micro_batch):
-        part = mine[a:a + micro_batch]
-        rows = cache.get([i if n else 0 for i, n in part])  # a padding row re-reads sequence 0
-        width = max(1, max(n for _, n in part))  # prefixes run only as far as the longest one
-        mask = torch.arange(width)[None, :] < torch.tensor([n for _, n in part])[:, None]
+    for a in range(0, len(lengths), micro_batch):
+        part = lengths[a:a + micro_batch]
+        rows = cache.get(list(range(a, a + len(part))))
+        width = max(part)  # a prefix runs only as far as it goes
+        mask = torch.arange(width)[None, :] < torch.tensor(part)[:, None]
         keys = ("input_ids", "topk_ids", "topk_logprobs")
         batches.append({**{key: rows[key][:, :width] for key in keys}, "mask": mask})
     return batches
 
 
-def cache_score(model, cache, micro_batch=4):
-    """score(kept, n_tokens) = fitness of `kept` on the first n_tokens training tokens of `cache`,
-    this rank's share of them (rank and world from the process group). The batches of each token
-    count are read from the cache once."""
-    rank, world = rank_and_world()
+def cache_score(model, cache, losses, micro_batch=4):
+    """score(kept, n_tokens) = fitness of `kept` on the first n_tokens training tokens of `cache`;
+    the batches of each token count are read from the cache once."""
     batches = {}
 
     def score(kept, n_tokens):
         if n_tokens not in batches:  # every genome of a stage is scored on the same tokens
-            batches[n_tokens] = first_tokens(cache, n_tokens, rank, world, micro_batch)
-        return fitness(model, batches[n_tokens], kept, cache.vocab_size)
+            batches[n_tokens] = first_tokens(cache, n_tokens, micro_batch)
+        return fitness(model, batches[n_tokens], kept, losses)
     return score
 
 
@@ -181,39 +155,43 @@ def random_genome(L, k, protected, generator):
     return sorted(set(protected) | {free[j] for j in order[: k - len(set(protected))]})
 
 
-def mutate(kept, L, protected, generator):
-    """One swap: a kept unprotected layer leaves and a removed layer enters, so the genome keeps
-    exactly k layers and every protected one. Unchanged when no swap exists (k = L or only the
-    protected layers kept)."""
-    kept_free = [i for i in kept if i not in protected]
+def swap(kept, L, generator):
+    """One of EvoPress's flips: a uniformly random kept layer leaves, a uniformly random removed one
+    enters (drawn among those removed before the flip); k stays k."""
     removed = [i for i in range(L) if i not in kept]
-    if not kept_free or not removed:
+    if not kept or not removed:
         return sorted(kept)
-    out = kept_free[_randint(len(kept_free), generator)]
+    out = kept[_randint(len(kept), generator)]
     enters = removed[_randint(len(removed), generator)]
     return sorted((set(kept) - {out}) | {enters})
 
 
-def offspring_of(parent, L, protected, generator, max_swaps=3):
-    """A child: `s` swaps, s = min of two uniform draws from 1..max_swaps, so one swap is the most
-    likely (EvoPress: P(s = 1) = 5/9 at max_swaps 3) and a few let it leave a local optimum."""
-    swaps = 1 + min(_randint(max_swaps, generator), _randint(max_swaps, generator))
-    child = parent
-    for _ in range(swaps):
-        child = mutate(child, L, protected, generator)
+def offspring_of(parent, L, generator, max_swaps=3):
+    """A child drawn as EvoPress's whole-block search draws one (evo_drop_search.py,
+    --drop_entire_block): n = min of two uniform draws from 1..max_swaps flips (P(n = 1) = 5/9 at 3,
+    a bias to small steps); each flip picks the attention or the MLP sub-block with probability 1/2,
+    and only the attention's flips survive (the whole-block child copies the attention's mask onto
+    the MLPs), so each flip is a swap with probability 1/2. Among the children that differ from
+    their parent, 1, 2 and 3 swaps come out with probability 0.778, 0.200, 0.022 (tests/)."""
+    n = 1 + min(_randint(max_swaps, generator), _randint(max_swaps, generator))
+    child = sorted(parent)
+    for _ in range(n):
+        if _randint(2, generator) == 0:  # the attention sub-block's flip: a swap
+            child = swap(child, L, generator)
     return child
 
 
 def new_offspring(parent, n, L, protected, generator, max_swaps=3, seen=()):
-    """Up to n children, all different from each other and from the parent (as in EvoPress) and
-    from the genomes in `seen`. Fewer only when the space is too small (tries stop after 100 n)."""
+    """Up to n children, each redrawn, as EvoPress does, while it is the parent, a sibling, or a set
+    that drops a protected layer (EvoPress's illegal layers); and here also while it is a genome in
+    `seen` (scored before). Fewer only when the space is too small (tries stop after 1000 n)."""
     children = []
-    for _ in range(100 * n):
+    for _ in range(1000 * n):
         if len(children) == n:
             break
-        child = offspring_of(parent, L, protected, generator, max_swaps)
-        # swaps can undo each other: a child may come back as the parent or as a sibling
-        if child != sorted(parent) and child not in children and tuple(child) not in seen:
+        child = offspring_of(parent, L, generator, max_swaps)
+        if (child != sorted(parent) and set(protected) <= set(child) and child not in children
+                and tuple(child) not in seen):
             children.append(child)
     return children
 
@@ -322,71 +300,74 @@ def random_search(score, L, k, protected, generator, candidates, n_tokens, log=N
     return result(best, best_fit, history, counted)
 
 
+
+
 # -----------------------------------------------------------------------------
-# Sheared-LLaMA's search (--search l0): in the training loop, with prune.GumbelTopKSearch's methods
+# As prune.py's layer searches (surgery.LayerSearch): the set is chosen in prepare(), before training
 
-L0_INIT_LOG_ALPHA = 3.0  # every gate starts on: P(z > 0) ~ 0.98, the whole model
+def evo_settings(args, L):
+    """(generations, stages, the most forward tokens evo can spend): EvoPress's generations for
+    depth pruning, r (L - r) / 1.5 with r layers removed, unless --evo-generations."""
+    r = L - args.keep
+    generations = args.evo_generations or max(1, round(r * (L - r) / 1.5))
+    stages = parse_stages(args.evo_stages)
+    return generations, stages, evo_budget(generations, args.evo_offspring, stages)
 
 
-class HardConcreteSearch:
-    """The same methods as prune.GumbelTopKSearch: begin_step(t), sample_mask(), step(),
-    state_dict(). S holds the log-alphas of the L gates; the importance scores are not used
-    (Sheared-LLaMA starts from the whole model)."""
+class EvoSearch(LayerSearch):
+    """--search evo: EvoPress's search from the top-k of S_0; S becomes the chosen set's indicator,
+    so that the cut keeps exactly that set."""
 
-    def __init__(self, scores, args, L, T_M, protected, device):
-        self.args, self.L, self.T_M, self.protected = args, L, T_M, protected
-        self.free = [i for i in range(L) if i not in protected]
-        self.S = nn.Parameter(torch.full((L,), L0_INIT_LOG_ALPHA, device=device))
-        # Adam at --score-lr, as for E3's scores
-        self.opt = torch.optim.Adam([self.S], lr=args.score_lr)
-        # Lagrange multipliers (lambda_1, lambda_2): maximised, so the constraint gap is pushed to 0
-        self.lambdas = nn.Parameter(torch.zeros(2, device=device))
-        self.lambda_opt = torch.optim.Adam([self.lambdas], lr=args.score_lr, maximize=True)
-        self.gen = torch.Generator().manual_seed(args.seed)  # the same draws on every rank
+    def __init__(self, S0, args, L, T, protected, device):
+        super().__init__(S0, args, L, T, protected, device)
+        self.forward_tokens = 0
 
-    def begin_step(self, t):
-        """The target kept count k'_t (E3's schedule) and this step's uniform noise u (as for E3:
-        --masks-per-step N draws, global micro-batch j using draw j mod N; lr of S per
-        --score-lr-schedule)."""
-        self.k_t = k_schedule(t, self.T_M, self.L, self.args.keep)
-        # CPU generator, as for the Gumbel noise: one draw per step, shared by its micro-batches
-        self.noise = [torch.rand(self.L, generator=self.gen)
-                      for _ in range(self.args.masks_per_step)]
-        for group in self.opt.param_groups:
-            group["lr"] = score_lr_schedule(t, self.T_M, self.args.score_lr,
-                                              self.args.score_lr_schedule)
+    @staticmethod
+    def tokens_read(args):  # every set is scored on the first tokens of the last stage
+        return parse_stages(args.evo_stages)[-1][0]
 
-    def sample_mask(self, j=0):
-        """z_l in [0, 1] per free layer (soft in the forward pass too); protected layers 1."""
-        noise = self.noise[j % len(self.noise)]
-        z = hard_concrete(self.S[self.free], noise[self.free])
-        index = (torch.tensor(self.free, device=self.S.device),)
-        return torch.ones(self.L, device=self.S.device).index_put(index, z)
+    @staticmethod
+    def plan(args, L):
+        generations, _, budget = evo_settings(args, L)
+        return (f"{args.search} search <= {budget:,} forward tokens (evo's budget: {generations} "
+                f"generations x {args.evo_offspring} children, stages {args.evo_stages})")
 
-    def step(self):
-        """The gates follow the loss; lambda_1 (E - k') + lambda_2 (E - k')^2 pulls the expected
-        kept count E = sum_l P(z_l > 0) to k'_t: minimised by the log-alphas, maximised by the
-        lambdas."""
-        parallel.average_grad(self.S)  # the loss's gradient, averaged before the penalty's joins it
-        gap = expected_kept(self.S[self.free]) + len(self.protected)  # E, protected layers counted
-        # adds the penalty's gradient to S.grad and gives the lambdas theirs (alike on every rank)
-        lagrangian(gap, self.k_t, self.lambdas).backward()
-        self.lambda_opt.step()
-        self.lambda_opt.zero_grad(set_to_none=True)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+    def prepare(self, model, cache, losses, log):
+        if cache is None:
+            raise E3Error(f"--search {self.args.search} scores layer sets against the teacher "
+                          f"cache; give --cache or train (--steps > 0)")
+        score = cache_score(model, cache, losses, self.args.micro_batch)
+        gen = torch.Generator().manual_seed(self.args.seed)  # the same draws on every rank
+        found = self.search(score, gen, log)
+        print0(f"{self.args.search} search: kept {found['kept']}, fitness {found['fitness']:.4f}, "
+               f"{found['forward_tokens']:,} forward tokens")
+        self.S.data = torch.zeros(self.L, device=self.S.device).index_fill_(
+            0, torch.tensor(found["kept"], device=self.S.device), 1.0)
+        self.forward_tokens = found["forward_tokens"]
 
-    def log_fields(self):
-        return {"k": self.k_t}  # the target of the expected kept count
+    def search(self, score, gen, log):
+        generations, stages, _ = evo_settings(self.args, self.L)
+        init = top_k_layers(self.S, self.args.keep, self.protected)  # the first parent
+        return evo_search(score, self.L, self.args.keep, self.protected, gen, generations,
+                          self.args.evo_offspring, stages, init=init, log=log)
+
+    def summary(self):
+        return {"search_forward_tokens": self.forward_tokens}
 
     def state_dict(self):
-        return {"S": self.S.detach().cpu(), "opt": self.opt.state_dict(),
-                "gen": self.gen.get_state(), "lambdas": self.lambdas.detach().cpu(),
-                "lambda_opt": self.lambda_opt.state_dict()}
+        return {**super().state_dict(), "forward_tokens": self.forward_tokens}
 
     def load_state_dict(self, state):
-        self.S.data.copy_(state["S"])
-        self.opt.load_state_dict(state["opt"])
-        self.gen.set_state(state["gen"])
-        self.lambdas.data.copy_(state["lambdas"])
-        self.lambda_opt.load_state_dict(state["lambda_opt"])
+        super().load_state_dict(state)
+        self.forward_tokens = state["forward_tokens"]
+
+
+class RandomSearch(EvoSearch):
+    """--search random: the control, as many random sets as evo's forward tokens pay for, each
+    scored on evo's last stage."""
+
+    def search(self, score, gen, log):
+        _, stages, budget = evo_settings(self.args, self.L)
+        n = self.args.random_candidates or max(1, budget // stages[-1][0])
+        return random_search(score, self.L, self.args.keep, self.protected, gen, n, stages[-1][0],
+                             log=log)

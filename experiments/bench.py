@@ -3,8 +3,8 @@ Benchmarks with a goal each (issue: "performance targets go in benchmarks, never
 tests"). Every benchmark times two things side by side in one run, alternating, after a warm-up
 round, and prints one line `name: ratio (goal ...)` with the median of the per-round ratios.
 
-    python bench.py               # all seven on the packaged SmolLM2-135M: a few minutes on a CPU
-    python bench.py search init   # some, by name
+    python experiments/bench.py               # all seven on the packaged SmolLM2-135M (minutes)
+    python experiments/bench.py search init   # some, by name
 
     search    a Gumbel-TopK search step (all L layers run, masked) / a plain KD step of the same
               model
@@ -15,6 +15,9 @@ round, and prints one line `name: ratio (goal ...)` with the median of the per-r
     init      KL importance with prefix reuse / the naive L+1 full forwards
     speedup   the exported k-layer model's prefill and decode speedup / the matmul-FLOP ideal
     fused     a training step with the LM head and the loss fused, chunked / the plain logits path
+
+Every step is prune.py's own: its losses (prune.plain_losses, scale.fused_loss.FusedLoss), its
+optimizer, its search and cut; nothing here reaches into a function's insides.
 """
 import statistics
 import sys
@@ -25,13 +28,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import common
-import data
-import evaluate
-import parallel
-import prune
-from cache_teacher import compute_shards
-from surgery import LayerGates, decoder_layers, export, layer_importance, remove_layers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts live at the repo root
+import evaluate  # noqa: E402
+import prune  # noqa: E402
+from cache_teacher import (E3Error, compute_shards, corpus_blocks, default_model,  # noqa: E402
+                           load_model, run_main, vocab_size)
+from scale.fused_loss import FusedLoss  # noqa: E402
+from surgery import (LayerGates, LayerSearch, decoder_layers, export_pruned,  # noqa: E402
+                     kl_importance, remove_layers)
 
 KEEP = 20  # the demo's 30 -> 20
 
@@ -79,7 +83,8 @@ def report(name, ratios, goal, what, detail):
 
 
 def _corpus_blocks(tok, seq_len, n):
-    return data.train_blocks(tok, None, seq_len, n)  # the first n blocks: the first play's start
+    """The first n blocks of the packaged corpus: the first play's start."""
+    return corpus_blocks(tok, None, seq_len, n * seq_len)["train"][:n]
 
 
 def _kd_batch(teacher, tok, seq_len, batch, topk=10):
@@ -94,22 +99,27 @@ def _kd_batch(teacher, tok, seq_len, batch, topk=10):
     return {"input_ids": ids, "topk_ids": top_ids, "topk_logprobs": top_lp, "entropy": entropy}
 
 
-def _train_step(model, opt, batch, vocab, device):
-    # prune.py's own loss and compute context (bf16 autocast on a GPU), so the step is the real one
-    loss = prune.kd_loss(model, batch, "akd", vocab, parallel.compute_context(model, device))
+def _train_step(model, opt, batch, vocab, device, losses=None):
+    # prune.py's own loss (bf16 autocast on a GPU), so that the step is the real one
+    losses = losses or prune.plain_losses(vocab, autocast=device.type == "cuda")
+    (loss,) = losses(model, batch, ["akd"])
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 
 
-def prune_args(*flags):
-    """prune.py's settings, parsed by prune.py itself: every field its search and cut read, at its
-    defaults (the demo's), so the benchmarks never miss a flag prune.py gains."""
-    return prune.parse_args(["--keep", str(KEEP), *flags])
+def prune_args(L=30, *flags, search_steps=None):
+    """prune.py's settings, parsed and settled by prune.py itself (every field its search and cut
+    read, at the demo's defaults) for an L-layer model, so the benchmarks never miss a flag."""
+    args = prune.parse_args(["--keep", str(KEEP), *flags])
+    prune.settle(args, L, 1)
+    if search_steps is not None:  # T_M
+        args.search_steps = search_steps
+    return args
 
 
 def _trainable(name=None, device=None):
-    model, tok = common.load_model(name, device)
+    model, tok = load_model(name, device)
     model.config.use_cache = False  # as prune.build_student: no KV cache is built while training
     return model.train(), tok
 
@@ -118,11 +128,11 @@ def bench_search(seq_len=128, batch=4, repeats=5):
     """1. The paper calls the sampler's overhead negligible (Sheared-LLaMA's reaches 5x)."""
     device = _device()
     model, tok = _trainable(device=device)
-    L, vocab = len(decoder_layers(model)), common.vocab_size(tok)
+    L, vocab = len(decoder_layers(model)), vocab_size(tok)
     b = _kd_batch(model, tok, seq_len, batch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    args = prune_args()  # beta, score lr, seed, one mask a step: prune.py's defaults
-    search = prune.GumbelTopKSearch(torch.randn(L), args, L, 2, [0, L - 1], device)
+    args = prune_args(L, search_steps=2)  # beta, score lr, seed, one mask a step: prune.py's
+    search = prune.GumbelTopKSearch(torch.randn(L), args, L, 20, [0, L - 1], device)
 
     # Both sides take a full optimizer step on the same L-layer model and batch; the search side
     # adds what the method adds: hooks on every layer, one Gumbel-TopK sample (t = 1 of T_M = 2:
@@ -149,7 +159,7 @@ def bench_finetune(seq_len=128, batch=4, repeats=5):
     """2. After the search the pruned layers must cost nothing: not run, not in the optimizer."""
     device = _device()
     pruned, tok = _trainable(device=device)
-    vocab = common.vocab_size(tok)
+    vocab = vocab_size(tok)
     b = _kd_batch(pruned, tok, seq_len, batch)
     L = len(decoder_layers(pruned))
     kept = [i for i in range(L) if i % 3 != 1][:KEEP]  # every third layer removed
@@ -157,11 +167,12 @@ def bench_finetune(seq_len=128, batch=4, repeats=5):
     # kept moments), after one step of the L-layer model so that there are moments to carry
     # over. The kept layers stay at their old addresses; a ratio near 1 says nothing of the
     # pruning leaks.
-    args = prune_args("--lr", "1e-6")
+    args = prune_args(L, "--lr", "1e-6")
     opt_p = prune.make_optimizer(pruned, args)  # prune.py's AdamW (fused), on both sides
     _train_step(pruned, opt_p, b, vocab, device)
-    scores = torch.zeros(L).index_fill_(0, torch.tensor(kept), 1.0)
-    kept_by_cut, opt_p = prune.prune_to_top_k(pruned, opt_p, scores, args, [])
+    search = LayerSearch(torch.zeros(L).index_fill_(0, torch.tensor(kept), 1.0), args, L, 0, [],
+                         device)
+    kept_by_cut, opt_p = prune.prune_to_top_k(pruned, opt_p, search, args)
     assert kept_by_cut == kept
     fresh = type(pruned)(pruned.config).to(device).train()  # same k-layer shape, never pruned
     opt_f = prune.make_optimizer(fresh, args)
@@ -176,12 +187,12 @@ def bench_finetune(seq_len=128, batch=4, repeats=5):
 def bench_offline(seq_len=128, batch=4, repeats=5):
     """3. Offline KD needs no teacher forward: compare with the FLOP ideal 3 F_s / (3 F_s + F_t)."""
     device = _device()
-    teacher, tok = common.load_model(None, device)
+    teacher, tok = load_model(None, device)
     teacher.eval()
     student, _ = _trainable(device=device)
     L = len(decoder_layers(student))
     remove_layers(student, list(range(KEEP)))  # which layers does not matter for the step's cost
-    vocab = common.vocab_size(tok)
+    vocab = vocab_size(tok)
     b = _kd_batch(teacher, tok, seq_len, batch)
     opt = torch.optim.AdamW(student.parameters(), lr=1e-6)
 
@@ -213,11 +224,11 @@ def bench_caching(seq_len=256, batch_size=4, shards=2, shard_seqs=4, topk=10, re
     overlap."""
     device = _device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model, tok = common.load_model(None, device, dtype)
+    model, tok = load_model(None, device, dtype)
     model.eval()
     blocks = _corpus_blocks(tok, seq_len, shards * shard_seqs)
     jobs = {("train", j): blocks[j * shard_seqs:(j + 1) * shard_seqs] for j in range(shards)}
-    identity = {"vocab_size": common.vocab_size(tok), "topk": topk}
+    identity = {"vocab_size": vocab_size(tok), "topk": topk}
     size = {}
 
     @torch.no_grad()
@@ -244,14 +255,14 @@ def bench_init(seq_len=128, n_calib=2, repeats=3):
     """5. Prefix reuse: the input of layer l is the same with and without layer l, so start
     there."""
     device = _device()
-    model, tok = common.load_model(None, device)
+    model, tok = load_model(None, device)
     model.eval()
-    L, vocab = len(decoder_layers(model)), common.vocab_size(tok)
+    L, vocab = len(decoder_layers(model)), vocab_size(tok)
     # L(L+1) layer calls naive vs ~L^2/2 + L with reuse; the LM head runs L+1 times either way, so
     # the ratio sits a little above the layer-call ideal of ~0.5
     seqs = _corpus_blocks(tok, seq_len, n_calib).to(device)
-    # (input_ids, attention_mask, weight), as prune.calibration_batches yields them
-    batches = [(seqs[i:i + 1], None, 1) for i in range(n_calib)]
+    # (input_ids, attention_mask), as prune.calibration_batches makes them
+    batches = [(seqs[i:i + 1], None) for i in range(n_calib)]
 
     def log_probs(ids):
         logits = model(input_ids=ids, use_cache=False).logits[..., :vocab]
@@ -260,7 +271,7 @@ def bench_init(seq_len=128, n_calib=2, repeats=3):
     @torch.no_grad()
     def naive():  # L + 1 full forwards: the model, then each layer bypassed by a 0 in the mask
         gates = LayerGates(model)
-        for ids, _, _ in batches:
+        for ids, _ in batches:
             logp = log_probs(ids)
             for l in range(L):
                 bypassed = torch.tensor([l], device=device)
@@ -270,7 +281,7 @@ def bench_init(seq_len=128, n_calib=2, repeats=3):
         gates.remove()
 
     def reuse():
-        layer_importance(model, batches, "kl", vocab)
+        kl_importance(model, batches, vocab)
 
     t_reuse, t_naive, ratio = side_by_side(reuse, naive, repeats, device)
     report("init", ratio, "<= 0.6", "x the naive L+1 forwards",
@@ -282,18 +293,20 @@ def bench_speedup(batch=1, prompt_len=512, gen_len=32, repeats=5):
     export."""
     device = _device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    dense, tok = common.load_model(None, device, dtype)
+    dense, tok = load_model(None, device, dtype)
     L = len(decoder_layers(dense))
-    pruned, _ = common.load_model(None, "cpu")  # export() saves a model on the CPU, unsharded
+    pruned, _ = load_model(None, "cpu")
     keep = list(range(KEEP))  # which layers does not matter for speed; the files must be real
+    remove_layers(pruned, keep)
     # the ideal is the ratio of matmul FLOPs (evaluate.speed): the LM head stays, so for 20/30
     # layers prefill (head on the last position only) is ~1.5x but decode (head on every token)
     # only ~1.36x
     with tempfile.TemporaryDirectory() as out:
-        export(pruned, tok, Path(out) / "model", keep, L, {"source_model": "bench"})
-        pruned, _ = common.load_model(str(Path(out) / "model"), device, dtype)
+        export_pruned(default_model(), pruned.state_dict(), keep, L, tok,
+                      Path(out) / "model", {"source_model": "bench"})
+        pruned, _ = load_model(str(Path(out) / "model"), device, dtype)
     models = {"dense": dense.eval(), "pruned": pruned.eval()}
-    times = evaluate.speed(models, common.vocab_size(tok), batch, prompt_len, gen_len, repeats)
+    times = evaluate.speed(models, vocab_size(tok), batch, prompt_len, gen_len, repeats)
     s = evaluate.speedups(times["dense"], times["pruned"])
     for phase in ("prefill", "decode"):
         speedup, ideal = s[f"{phase}_speedup"], s[f"{phase}_ideal"]
@@ -302,32 +315,24 @@ def bench_speedup(batch=1, prompt_len=512, gen_len=32, repeats=5):
                f"batch {batch}, prompt {prompt_len}, {gen_len} new tokens, {device}")
 
 
-def bench_fused(seq_len=512, batch=1, repeats=5):
-    """7. The LM head fused with the loss, in chunks of prune.py's --logit-chunk (prune.kd_loss: no
-    (T, V) logits, three head matmuls as the plain path has) / the plain path written out:
-    model(x).logits, an fp32 log-softmax over all of them, eq. 13. A memory saving that should cost
-    no time."""
+def bench_fused(seq_len=512, batch=1, repeats=5, chunk=256):
+    """7. The LM head fused with the loss (scale/fused_loss.py, prune.py under torchrun or with
+    --logit-chunk: no (T, V) logits, three head matmuls as the plain path has) / the plain path,
+    kd.py's eq. 13 on model(x).logits (prune.plain_losses). A memory saving that should cost no
+    time."""
     device = _device()
     model, tok = _trainable(device=device)
-    vocab, chunk = common.vocab_size(tok), prune_args().logit_chunk  # prune.py's default chunk
+    vocab = vocab_size(tok)
     b = _kd_batch(model, tok, seq_len, batch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    compute = parallel.compute_context(model, device)
+    plain = prune.plain_losses(vocab, autocast=device.type == "cuda")
+    fused = FusedLoss(vocab, chunk, reference=plain)
 
     def fused_step():
-        prune.kd_loss(model, b, "akd", vocab, compute, chunk_tokens=chunk).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _train_step(model, opt, b, vocab, device, fused)
 
     def plain_step():
-        with compute:
-            logits = model(input_ids=b["input_ids"], use_cache=False).logits[..., :vocab]
-        logp_s = F.log_softmax(logits.float(), -1).gather(-1, b["topk_ids"])
-        logp_t = b["topk_logprobs"].float()
-        per_token = (logp_t.exp() * (logp_t - logp_s)).sum(-1)  # eq. 12's L_token
-        (b["entropy"] * per_token).mean().backward()  # eq. 13
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _train_step(model, opt, b, vocab, device, plain)
 
     t_fused, t_plain, ratios = side_by_side(fused_step, plain_step, repeats, device)
     report("fused", ratios, "<= 1.05", "x the plain logits + loss step",
@@ -344,11 +349,11 @@ def main():
     names = sys.argv[1:] or list(BENCHES)
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
-        raise common.E3Error(f"unknown benchmark {', '.join(unknown)}; "
+        raise E3Error(f"unknown benchmark {', '.join(unknown)}; "
                              f"pick from {', '.join(BENCHES)}")
     for name in names:
         BENCHES[name]()
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    run_main(main)

@@ -1,0 +1,288 @@
+"""
+FSDP2 data parallelism (torchtitan's parallelize.py, gpt-fast's one-call style): prune.py calls
+`parallelize(model, device)` once, in build_student, and its training step never asks about FSDP.
+
+Its plain form is two lines, `fully_shard` on every decoder layer, then on the root; the rest of this
+file is what keeps the memory of a rank down (each measured: docs/scale.md):
+
+  load from rank 0          only rank 0 reads the weights; the others build the model on the meta
+                            device and receive their shards (1 fp32 copy on the host, not 8)
+  vocab_parallel            the V x d embedding and LM head split by vocabulary rows, never gathered
+                            in training (vocab_parallel.py)
+  reshard after no-grad     FSDP2 leaves the root gathered after a forward until a backward; after a
+                            no-grad one (validation, importance) none comes
+  free_embedding_in_backward, head_not_gathered_in_backward, tied_lookup_adds_rows
+                            for an embedding / head that vocab_parallel could not take (a scaled
+                            embedding), and the tied one in one process: no V x d weight or
+                            gradient held where its values are not needed
+  ChunkedAllGather, ChunkedReduceScatter
+                            gloo's collectives in 16 MB pieces (CPU ranks): no whole-unit buffer
+  release_freed_memory      glibc's mmap threshold fixed at 64 KB on a CPU: freed tensors go back
+  drop_removed_layers       after the cut, the root forgets the removed layers' units
+  full_state_dict           the whole fp32 state gathered onto rank 0's CPU a tensor at a time
+
+In one process (prune.py --logit-chunk), parallelize applies only tied_lookup_adds_rows.
+"""
+import ctypes
+import types
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+# FSDP2's interface for custom collectives (FSDPModule.set_custom_all_gather/_reduce_scatter)
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from scale.vocab_parallel import add_rows, plain_lookup, vocab_parallel
+from surgery import decoder_layers
+
+
+def parallelize(model, device, fused_loss=False, train=True):
+    """The model as this rank computes with it. Under torchrun: FSDP2 (each decoder layer its own
+    unit, then the root), the embedding and LM head split by vocabulary rows outside FSDP (or their
+    own units where they cannot be: one when tied), bf16 compute with fp32 master weights and fp32
+    gradient reduction on a GPU, fp32 on a CPU; rank 0's weights sent as shards. fused_loss: the
+    model is trained only through scale/fused_loss.py, whose head makes W's gradient in its forward
+    (no gather of W for the backward)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if train:
+        tied_lookup_adds_rows(model)
+    if device.type == "cpu":
+        release_freed_memory()
+    if not torch.distributed.is_initialized():
+        return model.to(device)
+    rank = torch.distributed.get_rank()
+    full_state = model.state_dict() if rank == 0 else {}  # the full tensors, before the shards
+    mp = MixedPrecisionPolicy()  # CPU (gloo): fp32 throughout
+    if device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mp_policy=mp)
+    rows = vocab_parallel(model, device, mp.param_dtype)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embed.weight
+    units = [[embed, head]] if tied and not rows else [m for m in (embed, head)
+                                                       if m is not None and m not in rows]
+    for unit in units:
+        fully_shard(unit, mp_policy=mp)
+    fully_shard(model, mp_policy=mp, ignored_params={p for m in rows for p in m.parameters()})
+    free_embedding_in_backward(model)
+    if fused_loss:
+        head_not_gathered_in_backward(model)
+    if torch.distributed.get_backend() == "gloo":  # CPU ranks: collectives in pieces (below)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_custom_all_gather(ChunkedAllGather())
+                m.set_custom_reduce_scatter(ChunkedReduceScatter())
+    load_from_rank0(model, full_state, rank, device)
+    model.register_forward_hook(reshard_after_no_grad)
+    return model
+
+
+def release_freed_memory():
+    """On a CPU the host is the device: glibc keeps freed blocks smaller than its mmap threshold in
+    its heap, and raises that threshold (up to 32 MB) whenever a larger block is freed, so after the
+    first steps every tensor of a step is heap memory, held once freed. Fixed at 64 KB, a freed
+    tensor goes back to the OS (a 2-rank CPU run of an 88M model: 1.35 GB a rank instead of 1.98),
+    for the price of an mmap, a munmap and fresh pages for every tensor above it: a CPU step takes
+    about twice as long (the demo: 160 against 310 tok/s), which is why the plain one-process path
+    leaves glibc's default. Not glibc: nothing to set."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def reshard_after_no_grad(model, args, output):
+    """FSDP2 keeps the root unit (the final norm; the embedding and head where they are FSDP's)
+    gathered after a forward for the backward that follows. After a no-grad forward none follows:
+    put every unit back to its shards, or the gathered tensors stay (and an optimizer built then
+    would hold them instead of the shards)."""
+    if not torch.is_grad_enabled():
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on x; `callback()` runs once dL/dx is computed, i.e. after the backward of the
+    module x enters (its weights' gradients are accumulated first: autograd runs AccumulateGrad
+    nodes before others, the order FSDP2's own post-backward hook relies on)."""
+
+    @staticmethod
+    def forward(ctx, x, callback):
+        ctx.callback = callback
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.callback()
+        return grad, None
+
+
+def free_embedding_in_backward(model):
+    """The input embedding's V x d weight is not needed by its own backward (dL/dE adds dL/dx at
+    the ids' rows), but FSDP2 gathers a unit whole for the backward of each module in it:
+    - untied: the embedding's unit is not gathered again in backward (`set_unshard_in_backward`,
+      FSDP2's switch for this case): one V x d weight less at the end of every backward;
+    - tied (one unit, since E is also the LM head): the unit is resharded as soon as the head's
+      backward has accumulated its gradient, not after the lookup's at the very end: E is not held
+      gathered through the backward of every layer. Its gradient stays until the unit's
+      reduce-scatter, which now follows the lookup's backward."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not plain_lookup(embed) or not isinstance(embed, FSDPModule):
+        return
+    if head is None or head.weight is not embed.weight:
+        embed.set_unshard_in_backward(False)
+        return
+
+    def wrap_input(module, args):
+        if not args or not torch.is_grad_enabled():  # no backward to come (or called by keyword)
+            return None
+        return (_AfterBackward.apply(args[0], head.reshard), *args[1:])
+    head.register_forward_pre_hook(wrap_input)
+
+
+def head_not_gathered_in_backward(model):
+    """For a model trained only through the fused head + loss (fused_loss.py) makes the LM head's weight gradient in its forward and saves no weight, so
+    the backward never reads W. FSDP2 would gather the head's unit again for it: a V x d
+    all-gather a micro-batch (1.5 GB in bf16 for Qwen3-32B's head), held beside the gradient.
+    Tied, the unit is the embedding's too, whose backward needs no W either (free_embedding_in_
+    backward). A plain backward through model(x).logits would then fail: not for other callers.
+    (A vocabulary-parallel head, vocab_parallel, is no FSDP unit: nothing to switch.)"""
+    head = model.get_output_embeddings()
+    if isinstance(head, FSDPModule):
+        head.set_unshard_in_backward(False)
+    return model
+
+
+# CPU ranks (gloo): gloo's all-gather and reduce-scatter copy the whole tensor through a buffer of
+# their own, so FSDP2's collective on a unit costs two copies of it instead of one (measured with a
+# 49K x 768 fp32 unit, 144 MB: a reduce-scatter peaks 146 MB above its input and output, an
+# all-gather 144 MB above its output). Done in pieces of GLOO_CHUNK_BYTES, the same sums land in
+# the same places and the extra is one piece. NCCL works in place: GPUs keep FSDP2's own.
+GLOO_CHUNK_BYTES = 16 << 20
+
+
+def _pieces(shard_numel, world, element_size):
+    step = max(1, GLOO_CHUNK_BYTES // (world * element_size))
+    return [(a, min(a + step, shard_numel)) for a in range(0, shard_numel, step)]
+
+
+class _Allocate:
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class ChunkedAllGather(_Allocate, AllGather):
+    """output (world x shard, flat) = every rank's input (shard), one column block at a time."""
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        world = torch.distributed.get_world_size(group)
+        out = output_tensor.view(world, -1)
+        for a, b in _pieces(input_tensor.numel(), world, input_tensor.element_size()):
+            piece = torch.empty(world * (b - a), dtype=out.dtype, device=out.device)
+            torch.distributed.all_gather_into_tensor(piece, input_tensor[a:b], group=group)
+            out[:, a:b].copy_(piece.view(world, -1))
+        return None
+
+
+class ChunkedReduceScatter(_Allocate, ReduceScatter):
+    """output (shard) = op over ranks of this rank's block of input (world x shard, flat), one
+    column block at a time."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        world = torch.distributed.get_world_size(group)
+        inp = input_tensor.view(world, -1)
+        for a, b in _pieces(output_tensor.numel(), world, input_tensor.element_size()):
+            torch.distributed.reduce_scatter_tensor(output_tensor[a:b], inp[:, a:b].reshape(-1),
+                                                    op=op, group=group)
+        return None
+
+
+def load_from_rank0(model, full_state, rank, device):
+    """Give every rank its shards of rank 0's weights: the other ranks built the model on the meta
+    device, so the host holds one full copy of the checkpoint instead of one per rank (8 x 27 GB for
+    a 7B model in fp32 under the headline command). Buffers (e.g. rotary inv_freq) are not sharded
+    and, when not persistent, not in the state dict: they are broadcast whole."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    if rank > 0:
+        # real (uninitialised) shards and buffers; FSDP keeps ties tied
+        model.to_empty(device=device)
+    set_model_state_dict(model, full_state,
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for buf in model.buffers():  # the same order on every rank
+        torch.distributed.broadcast(buf, src=0)
+
+
+def drop_removed_layers(model):
+    """After remove_layers under FSDP2: the root unit listed every layer's unit when it first ran
+    (lazy init) and would keep the removed ones alive (their shards, ~1.9 GB a rank for Llama-2-7B
+    at 60%) and run their post-backward hooks every step. Keep only the units still in the module
+    tree. (FSDP2 has no public call for this; the list is `_state_ctx.all_states` of the root
+    state.)"""
+    if not isinstance(model, FSDPModule):
+        return
+    state = model._get_fsdp_state()
+    alive = set(model.modules())
+    state._state_ctx.all_states = [s for s in state._state_ctx.all_states
+                                   if all(m in alive for m in s._modules)]
+
+
+def full_state_dict(model):
+    """The whole state dict, gathered onto rank 0's CPU in fp32 (every rank must call it; the others
+    get {}). Tensors are gathered one at a time, so rank 0 never holds more than one full copy."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    return {k: v.cpu() for k, v in state.items()}
+
+
+# -----------------------------------------------------------------------------
+# Memory of a tied embedding / LM head (one V x d weight E used twice: x = E[ids], logits = h E^T)
+
+class _LookupAddsRows(torch.autograd.Function):
+    """x = E[ids], whose backward adds the batch's rows of dL/dx straight into E.grad. Plain
+    autograd returns a dense V x d gradient (zero but for the batch's rows) and, as E is also the
+    head, E's accumulation waits for both uses: the head's V x d gradient is held through the whole
+    backward, then summed out of place with the lookup's: three V x d fp32 tensors a micro-batch
+    (3 x 151 MB for SmolLM2's 49K x 768; 3 x 1.2 GB for Qwen2.5-3B's 152K x 2048). Here E is no
+    autograd input of the lookup (it reaches backward in a tuple; `anchor`, a scalar that requires
+    grad, keeps the node in the graph), so the head's gradient lands in E.grad at once and the rows
+    are added to it in place at the end. dL/dE is the same sum."""
+
+    @staticmethod
+    def forward(ctx, anchor, holder, ids, padding_idx):
+        ctx.save_for_backward(ids)
+        ctx.holder, ctx.padding_idx = holder, padding_idx
+        return nn.functional.embedding(ids, holder[0], padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,), weight = ctx.saved_tensors, ctx.holder[0]
+        ids, rows = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
+        if ctx.padding_idx is not None:  # nn.Embedding's rule: the padding row gets no gradient
+            rows = rows.masked_fill((ids == ctx.padding_idx)[:, None], 0)
+        if weight.grad is None:  # the head's gradient comes first (backward order), unless frozen
+            weight.grad = torch.zeros_like(weight)
+        # the weight FSDP2 computes with (gathered): its post-backward reduce-scatters this .grad
+        add_rows(weight.grad, ids, rows)
+        return None, None, None, None
+
+
+def tied_lookup_adds_rows(model):
+    """When the input embedding and the LM head share one trainable weight, and the embedding is a
+    plain nn.Embedding (scaled or normed embeddings keep their own forward), its lookup becomes
+    _LookupAddsRows: two fewer V x d gradients per micro-batch. Training-only; the exported
+    weights are the same tensors."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if (head is None or head.weight is not embed.weight or not embed.weight.requires_grad
+            or type(embed).forward is not nn.Embedding.forward or embed.max_norm is not None
+            or embed.sparse):
+        return model
+
+    anchor = torch.zeros((), requires_grad=True)
+
+    def forward(self, ids):  # self.weight: under FSDP2 the gathered weight while it computes
+        return _LookupAddsRows.apply(anchor, (self.weight,), ids, self.padding_idx)
+    embed.forward = types.MethodType(forward, embed)
+    return model

@@ -1,0 +1,356 @@
+"""
+The LM head fused with the loss, chunk by chunk over tokens: no (B, T, V) logits in the forward or
+the backward (Qwen's V = 152K at 4096 tokens is 2.5 GB a copy in fp32). prune.py uses it under
+torchrun, or with --logit-chunk N; FusedLoss checks at its first call of each loss that it computes
+what kd.py's plain function does, and refuses a loss it does not implement.
+
+The losses are kd.py's eq. 12 / eq. 13 and next-token CE (top-1 KD against a one-hot teacher), of the
+student logits z = post(W h + b), post the family's logit transform (architectures/logits.py).
+dL/dz is written out and turned at once into dL/dh and dL/dW, chunk by chunk (three matmuls, as the
+unfused head and loss have); the backward only scales them by the scalar it brings (Liger-Kernel's
+fused linear cross-entropy does the same for CE). Under FSDP the head may be vocabulary-parallel (W's
+rows split over the ranks, vocab_parallel.VocabShard): the same sums, the softmax's max and sum and
+the top-K logits all-reduced.
+"""
+import types
+
+import torch
+import torch.nn.functional as F
+
+from architectures.logits import logit_transform, model_logits
+from cache_teacher import E3Error
+from scale.vocab_parallel import VocabShard
+from surgery import decoder_layers, hidden_out
+
+def _chunk_losses(h, weight, bias, post, ids, logprobs, w, rows, need_grad):
+    """For one chunk of n tokens: L_token(i) (n,) with z = post(W h + b), and, when need_grad,
+    dL/dz_lin for sum_i w_i L_token(i) (z_lin = W h + b: this process's rows, the head's dtype).
+    With log p_s = z - lse(z) and P_i = sum_k p_t,c_k (the teacher's top-K mass):
+
+        dL_token(i)/dz_v = P_i softmax(z_i)_v - p_t,v [v in top-K]
+
+    the student's softmax scaled to the mass the teacher put on the top-K, minus that mass where
+    it lies. Softmax and lse in fp32; post's derivative by autograd (elementwise, local)."""
+    R = weight.shape[0]
+    z_lin = F.linear(h, weight, bias)  # (n, R): the logits of this process's rows
+    with torch.set_grad_enabled(need_grad):
+        z_lin = z_lin.detach().requires_grad_(need_grad)
+        z_graph = post(z_lin).float()
+    z = z_graph.detach()
+    # log-sum-exp over the whole vocabulary: max and sum over the rows here, then over the ranks
+    m = rows.max(z.amax(-1) if R else z.new_full(z.shape[:1], -torch.inf))
+    e = torch.exp(z - m[:, None])
+    lse = m + rows.sum(e.sum(-1)).log()
+    # the student's logits at the teacher's top-K ids (global ids: rows [start, start + R) here)
+    local = ids - rows.start
+    here = (local >= 0) & (local < R)
+    local = local.clamp(0, max(R - 1, 0))
+    z_top = rows.sum(z.gather(-1, local) * here if R else z.new_zeros(ids.shape))
+    p_t = logprobs.exp()
+    losses = (p_t * (logprobs - (z_top - lse[:, None]))).sum(-1)  # L_token(i), eq. 12
+    if not need_grad:
+        return losses, None
+    if not R:  # no rows here (more ranks than rows): nothing to differentiate
+        return losses, z_lin.detach()
+    dz = e.mul_((torch.exp(m - lse) * w * p_t.sum(-1))[:, None])  # w_i P_i softmax(z_i), in place
+    dz.scatter_add_(-1, local, -(w[:, None] * p_t * here))  # - w_i p_t,v at the top-K ids
+    (dz_lin,) = torch.autograd.grad(z_graph, z_lin, dz)  # through post: its derivative
+    return losses, dz_lin
+
+
+def _head_losses(h, weight, bias, post, ids, logprobs, w, chunk, rows, need=(False, False, False)):
+    """L_token(i) for every token, z_i = post(W h_i + b), `chunk` tokens at a time (h: (n, d), W:
+    (R, d), the rows `rows` says), and the gradients `need` asks for (of h, W, b) of
+    sum_i w_i L_token(i), made chunk by chunk: dL/dh = dz W, dL/dW = sum dz^T h, dL/db = sum dz.
+    Three matmuls, as the unfused head + loss has."""
+    losses = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+    # dL/dh in at least fp32: under FSDP's bf16 each rank's partial sum is exact before the
+    # reduce-scatter adds them (a bf16 one rounds world times)
+    dh = torch.zeros(h.shape, dtype=torch.promote_types(h.dtype, torch.float32),
+                     device=h.device) if need[0] else None
+    # accumulated in place, one R x d buffer (autograd summing per-chunk products would hold two),
+    # in at least fp32: a bf16 sum over many chunks drifts; autograd rounds it to W's dtype once
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    dW = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need[1] else None
+    db = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need[2] else None
+    # the compute dtype: one GPU's autocast, or FSDP's bf16 (h's) for fp32 rows it does not manage;
+    # cast once, not per chunk
+    cast = (torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type)
+            else h.dtype)
+    weight, bias = weight.to(cast), bias.to(cast) if bias is not None else None
+    for a in range(0, h.shape[0], chunk):
+        sl = slice(a, a + chunk)
+        losses[sl], dz = _chunk_losses(h[sl], weight, bias, post, ids[sl], logprobs[sl], w[sl], rows,
+                                       any(need))
+        if dh is not None:
+            dh[sl] = (dz @ weight).to(dh.dtype)
+        if dW is not None and dz.dtype == dW.dtype:  # fp32: in place, no R x d temporary
+            dW.addmm_(dz.t(), h[sl].to(dz.dtype))
+        elif dW is not None:  # bf16: the chunk's product in bf16 (half an R x d), summed in fp32
+            dW += dz.t() @ h[sl].to(dz.dtype)
+        if db is not None:
+            db += dz.sum(0)
+    return losses, dh, dW, db
+
+
+def _check_ids(ids, n_logits):
+    """Teacher ids must be rows of the student's logits: a gather would clamp the others silently.
+    Checked on every rank's ids (vocabulary-parallel, after the gather): all ranks raise together."""
+    if ids.numel() and (ids.min() < 0 or ids.max() >= n_logits):
+        bad = ids[(ids < 0) | (ids >= n_logits)][0].item()
+        raise IndexError(f"teacher token id {bad} is outside the student's {n_logits} logits")
+
+
+class _HeadTokenLosses(torch.autograd.Function):
+    """sum_i w_i L_token(i) over this process's tokens as an autograd node. The gradients are made
+    in the forward (the loss is the graph's end, so dL/dz is known there up to the one scalar the
+    backward brings) and nothing of size (n, V) is kept: the backward only scales them (Liger-
+    Kernel's fused linear cross-entropy does the same for CE). No weight is saved either: under
+    FSDP the head's unit may reshard. Vocabulary-parallel, every rank's tokens are computed here
+    and each rank's dL/dW for its rows sums them all: over `world` ranks that is world x the mean
+    gradient FSDP makes for every other weight, hence / world (and every rank must scale its loss
+    alike: checked in the backward)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, post, ids, logprobs, w, chunk, rows, n_logits):
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                bias is not None and ctx.needs_input_grad[2])
+        if rows.world > 1:  # dL/dh made on every rank: the reduce-scatter below is collective
+            need = (True, *need[1:])
+        H, IDS, LP, Wt = rows.gather_tokens(h, ids, logprobs, w)
+        _check_ids(IDS, n_logits)
+        losses, dH, dW, db = _head_losses(H, weight, bias, post, IDS, LP, Wt, chunk, rows, need)
+        ctx.rows = rows
+        dh = rows.scatter_tokens(dH).to(h.dtype) if dH is not None else None
+        ctx.grads = [dh if ctx.needs_input_grad[0] else None,
+                     dW.div_(rows.world) if dW is not None else None,
+                     db.div_(rows.world) if db is not None else None]
+        return (w * losses[rows.own]).sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.grads is None:
+            raise RuntimeError("head_kd_loss supports one backward (its gradients were made in the "
+                               "forward, and no graph is kept for a second or higher-order one)")
+        grads, ctx.grads = ctx.grads, None
+        if ctx.rows.world > 1:  # dW_r sums every rank's tokens: right only if all scale alike
+            spread = ctx.rows.max(torch.stack([g, -g]).float())
+            if spread[0] + spread[1] > 1e-6 * spread[0].abs():
+                raise RuntimeError("vocabulary-parallel head_kd_loss: the ranks scaled their "
+                                   "losses differently; scale by the same factor on every rank")
+        # g: dObjective/dLoss, a scalar (1 / the micro-batch count...); in place, no copy
+        scaled = [t.mul_(g.to(t.dtype)) if t is not None else None for t in grads]
+        return (*scaled, None, None, None, None, None, None, None)
+
+
+def head_kd_loss(hidden, weight, bias, topk_ids, topk_logprobs, entropy=None, mask=None,
+                 post=None, vocab=None, chunk_tokens=256):
+    """The top-K KD loss, a scalar: eq. 12 (entropy None: kd) or eq. 13 (entropy (B, T) = H_t: akd)
+    of the student logits z = post(hidden W^T + b)[..., :vocab], which are never made whole.
+    hidden (B, T, d); the head's weight (V, d) and bias (V) or None; topk_ids, topk_logprobs
+    (B, T, K); mask (B, T) bool or None (False = padding: no loss, no gradient); post the model's
+    logit transform (None: identity); vocab: the head's first rows only (a padded embedding's extra
+    rows get no gradient). At most `chunk_tokens` x V logits exist at once: lower it when memory
+    is tight, raise it for GPU throughput (each chunk reads W once). Logits given directly: pass
+    them as `hidden` with an identity `weight`. W (and b) may be DTensors sharded by rows
+    (vocab_parallel.py): then every rank must call this alike (with or without grad), and
+    gets its own tokens' loss."""
+    d = hidden.shape[-1]
+    h = hidden.reshape(-1, d)
+    ids = topk_ids.reshape(-1, topk_ids.shape[-1]).long()
+    logprobs = topk_logprobs.reshape(ids.shape).float()
+    w = torch.ones(ids.shape[0], device=h.device, dtype=torch.float32)
+    if entropy is not None:  # akd: token i weighs H_t(i) (eq. 13); kd: every token weighs 1
+        w = w * entropy.reshape(-1).float()
+    if mask is not None:  # padding leaves first: no memory, no loss, no gradient
+        keep = mask.reshape(-1).bool()
+        h, ids, logprobs, w = h[keep], ids[keep], logprobs[keep], w[keep]
+    rows = VocabShard(weight)
+    n_logits = vocab if vocab is not None else rows.V
+    if rows.group is not None:  # vocabulary-parallel: this rank's rows (autograd maps them back)
+        weight, bias = weight.to_local(), bias.to_local() if bias is not None else None
+    if vocab is not None and vocab < rows.start + weight.shape[0]:
+        top = max(vocab - rows.start, 0)
+        weight, bias = weight[:top], bias[:top] if bias is not None else None
+    w = w / max(h.shape[0], 1)  # 1/N over the valid tokens; none (all padding) gives 0
+    post = post or (lambda z: z)
+    chunk = chunk_tokens * rows.world  # every rank's tokens x V / world rows: chunk_tokens x V
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (h, weight, bias)):
+        return _HeadTokenLosses.apply(h, weight, bias, post, ids, logprobs, w, chunk, rows,
+                                      n_logits)
+    # no backward will follow (validation, a search's fitness): the loss alone
+    H, IDS, LP, Wt = rows.gather_tokens(h, ids, logprobs, w)
+    _check_ids(IDS, n_logits)
+    losses = _head_losses(H, weight, bias, post, IDS, LP, Wt, chunk, rows)[0]
+    return (w * losses[rows.own]).sum()
+
+
+def next_token_targets(input_ids, mask=None):
+    """Cross-entropy as a top-1 KD target: c = the next token, log p_t,c = 0 (ids, log-probs, and
+    which positions count: not the last, which has no next token, nor padding)."""
+    ids = input_ids.roll(-1, dims=1)[..., None]
+    valid = torch.ones_like(input_ids, dtype=torch.bool)
+    valid[:, -1] = False
+    if mask is not None:
+        valid &= mask.bool() & mask.bool().roll(-1, dims=1)
+    return ids, torch.zeros(ids.shape, dtype=torch.float32, device=ids.device), valid
+
+
+# -----------------------------------------------------------------------------
+# The head as a module that returns losses, and the logits of the last layer's output
+
+def head_losses(model, input_ids, losses, attention_mask=None):
+    """One forward of the model whose LM head, instead of the (B, T, V) logits, returns the losses
+    `losses` ask for: each fn(x, W, b, post) -> a scalar, with x the head's input norm(h_L) at every
+    position, W and b the head's weight and bias, post = logit_transform(model). A tensor of them.
+
+    The head module is the one that runs, once, as in a plain forward: under FSDP2 its hooks gather
+    W for it and reduce-scatter the gradient the losses return for W (a vocabulary-parallel head,
+    vocab_parallel.py, is no FSDP unit: W arrives as this rank's rows, a DTensor, and the
+    losses work on the rows). What the model's forward does
+    after its head (soft-capping, a logit scale) then runs on the returned losses and is dropped:
+    the losses apply post themselves."""
+    head, post = model.get_output_embeddings(), logit_transform(model)
+    out = {}
+
+    def forward(self, x):
+        # the head's output, as FSDP2 registered its backward hook on it: kept, not a copy (and no
+        # view, which FSDP2 warns about)
+        out["losses"] = torch.stack([fn(x, self.weight, getattr(self, "bias", None), post)
+                                     .reshape(1, 1) for fn in losses], dim=-1)
+        return out["losses"]
+    before = head.__dict__.get("forward")  # an instance-level forward someone set (hooks): kept
+    head.forward = types.MethodType(forward, head)
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        if before is None:
+            del head.forward  # the class's forward again
+        else:
+            head.forward = before
+    return out["losses"].view(-1)
+
+
+def last_layer_output(model, input_ids, attention_mask=None):
+    """(h_L, the model's own logits at the last position) from one forward that computes the LM head
+    for the last position only (logits_to_keep=1), so no (T, V) tensor is made here."""
+    out = {}
+    # a hook on the last layer, not output_hidden_states: that would keep all L + 1 hidden states
+    hook = decoder_layers(model)[-1].register_forward_hook(
+        lambda module, args, output: out.update(h=hidden_out(output)))
+    try:
+        last = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                     logits_to_keep=1).logits
+    finally:
+        hook.remove()
+    return out["h"], last[:, -1]
+
+
+def check_logits_path(model, h, last_logits):
+    """Refuse, with one line, an architecture whose forward does something after its last decoder
+    layer that model_logits does not (a final norm under another name, another logit scale): the
+    recomputed logits of the last position must be the model's own."""
+    z = model_logits(model, h[:, -1]).float()
+    ref = last_logits.float()
+    # loose and relative: rounding may differ between the two paths; a missing norm or logit
+    # scale is off by far more
+    if (z - ref).abs().max() > 1e-2 * (1 + ref.abs().max()):
+        raise E3Error(f"{type(model).__name__}: logits recomputed from the last layer's output "
+                      f"differ from the model's own by {(z - ref).abs().max():.3g}; teach "
+                      f"architectures/logits.py this architecture's final norm or logit scale")
+
+
+
+class root_unsharded:
+    """Under FSDP2 the root unit (the final norm; the embeddings and LM head where they are FSDP's)
+    is sharded outside the root's own forward; calling the head directly needs it gathered first.
+    A vocabulary-parallel head would gather its rows at every call: gathered once here instead
+    (no-grad calls). A no-op without FSDP."""
+
+    def __init__(self, model):
+        # duck-typed: FSDP2 adds unshard/reshard to the module's own class; a vocabulary-parallel
+        # head (vocab_parallel.py) has gather_rows
+        self.fsdp = hasattr(model, "unshard") and hasattr(model, "reshard")
+        self.model = model
+        self.head = model.get_output_embeddings()
+        self.rows = hasattr(self.head, "gather_rows")
+
+    def __enter__(self):
+        if self.fsdp:
+            self.model.unshard()
+        if self.rows:
+            self.head.gather_rows()
+
+    def __exit__(self, *exc):
+        if self.rows:
+            self.head.gather_rows(False)
+        if self.fsdp:
+            self.model.reshard()
+
+
+def chunked_logits(model, input_ids, chunk):
+    """The model's own logits of input_ids (B, T), `chunk` tokens at a time, (chunk, V) each: the
+    last layer's output from one forward that makes the head's logits for the last position only,
+    then post(W norm(h)) chunk by chunk. For a teacher too big to hold (B, T, V) logits at once
+    (cache_teacher.py --logit-chunk), whole or FSDP-sharded."""
+    h, last_logits = last_layer_output(model, input_ids)
+    with root_unsharded(model):  # under FSDP2 the head runs outside the forward: gathered here
+        check_logits_path(model, h, last_logits)  # the cache holds log_softmax(model(x).logits)
+        for hc in h.reshape(-1, h.shape[-1]).split(chunk):
+            yield model_logits(model, hc)
+
+
+# -----------------------------------------------------------------------------
+# What prune.py calls: losses(model, batch, kinds), as its plain_losses
+
+def _loss_fn(kind, batch, vocab, chunk):
+    """The fused form of kd.LOSSES[kind]: fn(x, W, b, post) -> the loss, for head_losses."""
+    if kind == "sft":
+        ids, logprobs, mask = next_token_targets(batch["input_ids"], batch.get("mask"))
+        entropy = None
+    elif kind in ("kd", "akd"):
+        ids, logprobs, mask = batch["topk_ids"], batch["topk_logprobs"], batch.get("mask")
+        entropy = batch["entropy"] if kind == "akd" else None
+    else:
+        raise E3Error(f"the fused LM head implements the losses akd, kd and sft, not '{kind}'; run "
+                      f"with --logit-chunk 0 (the plain logits path, kd.py), or teach "
+                      f"scale/fused_loss.py the new loss")
+    return lambda x, W, b, post: head_kd_loss(x, W, b, ids, logprobs, entropy, mask, post, vocab,
+                                              chunk)
+
+
+class FusedLoss:
+    """losses(model, batch, kinds) with the LM head fused in. At the first call of each kind it
+    computes the loss both ways on the batch's first 256 tokens (no gradient) and refuses, with
+    one error line, a difference beyond rounding: kd.py's function is the reference, so an edited
+    kd.py (or a logit transform architectures/logits.py does not know) is never silently replaced
+    by eq. 12."""
+
+    def __init__(self, vocab, chunk, reference, check_tokens=256):
+        self.vocab, self.chunk, self.reference = vocab, chunk, reference
+        self.check_tokens, self.checked = check_tokens, set()
+
+    def __call__(self, model, batch, kinds):
+        for kind in kinds:
+            if kind not in self.checked:
+                self.check(model, batch, kind)
+        fns = [_loss_fn(kind, batch, self.vocab, self.chunk) for kind in kinds]
+        return list(head_losses(model, batch["input_ids"], fns))
+
+    @torch.no_grad()
+    def check(self, model, batch, kind):
+        part = {k: v[:1, :self.check_tokens] for k, v in batch.items()}
+        training = model.training
+        model.eval()
+        fused = head_losses(model, part["input_ids"], [_loss_fn(kind, part, self.vocab,
+                                                                self.chunk)])[0]
+        (plain,) = self.reference(model, part, [kind])
+        model.train(training)
+        tight = plain.device.type == "cpu"  # fp32 on a CPU; a GPU computes in bf16
+        if not torch.allclose(fused.float(), plain.float(), rtol=1e-4 if tight else 2e-2,
+                              atol=1e-5):
+            raise E3Error(f"the fused LM head's '{kind}' loss is {fused.item():.6g} where kd.py's "
+                          f"is {plain.item():.6g}: kd.py (or the model's logit transform) computes "
+                          f"something scale/fused_loss.py does not; run with --logit-chunk 0")
+        self.checked.add(kind)

@@ -1,0 +1,254 @@
+"""
+The vocabulary-parallel embedding and LM head (Megatron-LM's layout, inside FSDP2's data
+parallelism). FSDP2 gathers a unit whole to compute with it, and the largest unit is the V x d
+embedding / head (Qwen3-32B: 152K x 5120, 3.1 GB in fp32): held gathered beside its gradient at the
+end of every head forward, it is most of what a rank holds above its shards. Split by vocabulary rows
+instead, rank r keeps rows [r c, (r + 1) c) of E and W for good (c = ceil(V / world); a DTensor
+Shard(0), what DCP saves and reshards) and the ranks exchange tokens, not weights:
+
+  lookup       every rank's ids gathered, each rank looks up those among its rows, the sum over
+               ranks scattered back (each row lives on exactly one rank): tokens x d a call
+  loss         fused_loss.head_kd_loss: each rank its rows' logits for every rank's tokens, the
+               softmax's max and sum and the top-K logits all-reduced; its dL/dW whole for its rows
+  plain head   model(x).logits (validation, importance, a teacher) gathers W as FSDP would
+"""
+import types
+
+import torch
+from torch import nn
+
+
+class VocabShard:
+    """Which rows of the head W this process computes, and how per-row results become whole-
+    vocabulary ones. In one process: all V rows, and every reduction is the identity. Under FSDP
+    with a vocabulary-parallel head (vocab_parallel below: W a DTensor sharded by rows), each
+    rank holds ceil(V / world) rows (the last ranks fewer, or none) and computes their logits for
+    EVERY rank's tokens: the softmax's max
+    and sum and the student's logits at the teacher's top-K ids are all-reduced over the ranks,
+    dL/dh is summed back to the tokens' own ranks, and each rank's dL/dW is whole for its rows
+    (Megatron-LM's vocabulary-parallel cross-entropy). W and its gradient are never whole on any
+    rank; what travels is (tokens x d) and (tokens x K) a micro-batch."""
+
+    def __init__(self, weight):
+        self.group, self.world, self.start, self.V = None, 1, 0, weight.shape[0]
+        if hasattr(weight, "device_mesh"):  # a DTensor: rank r holds rows [start, start + rows)
+            from torch.distributed.tensor import Shard
+            if weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+                raise ValueError(f"a vocabulary-parallel head is sharded by rows over one mesh "
+                                 f"dimension, not {weight.placements}")
+            self.group = weight.device_mesh.get_group()
+            self.world = torch.distributed.get_world_size(self.group)
+            rank = torch.distributed.get_rank(self.group)
+            per = -(-weight.shape[0] // self.world)  # torch.chunk's split, DTensor's Shard(0)
+            self.start = min(rank * per, weight.shape[0])
+
+    def max(self, x):
+        if self.group is not None:
+            torch.distributed.all_reduce(x, torch.distributed.ReduceOp.MAX, group=self.group)
+        return x
+
+    def sum(self, x):
+        if self.group is not None:
+            torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+    def gather_tokens(self, *tensors):
+        """Every rank's tokens (rows of each tensor), rank by rank, each rank's padded with zeros to
+        the largest count. Remembers where this rank's are (`own`) and the padded count, which
+        scatter_tokens reads: a scatter undoes the gather before it. (A DTensor's local rows
+        gathered this way are the whole tensor's first rows: torch.chunk's shards are all
+        ceil(V / world) long but the last non-empty one, and the empty ones after it.)"""
+        n = tensors[0].shape[0]
+        if self.group is None:
+            self.own = slice(0, n)
+            return tensors
+        counts = torch.tensor([n], device=tensors[0].device)
+        n_max = int(self.max(counts.clone()))
+        rank = torch.distributed.get_rank(self.group)
+        self.own, self.n_max = slice(rank * n_max, rank * n_max + n), n_max
+        out = []
+        for t in tensors:
+            padded = t.new_zeros((n_max, *t.shape[1:]))
+            padded[:n] = t
+            whole = t.new_empty((self.world * n_max, *t.shape[1:]))
+            torch.distributed.all_gather_into_tensor(whole, padded, group=self.group)
+            out.append(whole)
+        return out
+
+    def scatter_tokens(self, x):
+        """x (every rank's tokens, as gather_tokens laid them out): summed over ranks, each rank
+        keeping its own tokens' rows."""
+        if self.group is None:
+            return x
+        out = x.new_empty((self.n_max, *x.shape[1:]))
+        torch.distributed.reduce_scatter_tensor(out, x, group=self.group)
+        return out[: self.own.stop - self.own.start]
+
+
+def plain_lookup(embed):
+    """An nn.Embedding whose backward needs the ids and dL/dx only, never the weight's values
+    (F.embedding, or _LookupAddsRows below; max_norm would rewrite the weight in forward)."""
+    return (isinstance(embed, nn.Embedding) and embed.max_norm is None and not embed.sparse
+            and not embed.scale_grad_by_freq)
+
+
+def add_rows(grad, ids, rows, scale=1.0):
+    """grad[ids] += scale * rows, each distinct row summed in (at least) fp32 first and added once:
+    one rounding per row in bf16, as the dense path has (and no racing duplicate indices on a GPU)."""
+    uniq, inverse = ids.unique(return_inverse=True)
+    acc = torch.promote_types(rows.dtype, torch.float32)  # fp32, or fp64 when it is
+    summed = torch.zeros(len(uniq), rows.shape[1], dtype=acc, device=rows.device)
+    summed.index_add_(0, inverse, rows.to(acc))
+    grad.index_add_(0, uniq, summed.mul_(scale).to(grad.dtype))
+
+
+def _local_grad(weight):
+    """The local rows of weight.grad (a DTensor), created as zeros if none yet, to add into."""
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    return weight.grad.to_local()
+
+
+class _VocabParallelLookup(torch.autograd.Function):
+    """x = E[ids] with E's rows split over the ranks and each rank its own ids (see above). The
+    backward gathers every rank's dL/dx and adds the rows of its ids into its shard of E.grad, / world
+    (FSDP's mean over ranks). E reaches the node in a tuple (`anchor` keeps it in the graph, as in
+    _LookupAddsRows): its gradient is added in place, no dense (V / world) x d tensor a micro-batch."""
+
+    @staticmethod
+    def forward(ctx, anchor, holder, ids, padding_idx, dtype):
+        weight = holder[0]
+        shard, rows = VocabShard(weight), weight.to_local()
+        (every,) = shard.gather_tokens(ids.reshape(-1))
+        # every rank sees every id: all of them raise together, as nn.Embedding would in one process
+        # (a missing row would otherwise look up as zeros)
+        if every.numel() and (every.min() < 0 or every.max() >= shard.V):
+            bad = every[(every < 0) | (every >= shard.V)][0].item()
+            raise IndexError(f"token id {bad} is outside the embedding's {shard.V} rows")
+        local = every - shard.start
+        here = (local >= 0) & (local < rows.shape[0])
+        x = rows.new_zeros(len(every), rows.shape[1])
+        x[here] = rows[local[here]]
+        # summed over ranks: each token's row, from the rank that has it (one non-zero addend: the
+        # cast to the compute dtype first is exact, and halves the bytes in bf16)
+        x = shard.scatter_tokens(x.to(dtype or x.dtype))
+        ctx.save_for_backward(every)
+        ctx.holder, ctx.padding_idx, ctx.shard = holder, padding_idx, shard
+        return x.view(*ids.shape, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (every,), weight, shard = ctx.saved_tensors, ctx.holder[0], ctx.shard
+        (rows,) = shard.gather_tokens(grad.reshape(-1, grad.shape[-1]))  # every rank's dL/dx
+        local = every - shard.start
+        here = (local >= 0) & (local < weight.to_local().shape[0])
+        if ctx.padding_idx is not None:  # nn.Embedding's rule: the padding row gets no gradient
+            here &= every != ctx.padding_idx
+        add_rows(_local_grad(weight), local[here], rows[here], 1.0 / shard.world)
+        return None, None, None, None, None
+
+
+class _GatheredRowsLinear(torch.autograd.Function):
+    """y = h W^T + b with W's rows split over the ranks, for a caller that wants the logits whole
+    (validation, importance, a sharded teacher): W gathered for the forward and again for the
+    backward, dL/dW reduce-scattered to its rows / world: what FSDP2 does for a unit."""
+
+    @staticmethod
+    def forward(ctx, h, rows, bias, shard, dtype):
+        ctx.save_for_backward(h, rows, bias)
+        ctx.shard, ctx.dtype, ctx.V = shard, dtype, shard.V
+        W, b = _gather_rows(shard, ctx.V, rows, bias, dtype)
+        return nn.functional.linear(h.to(W.dtype), W, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        h, rows, bias = ctx.saved_tensors
+        shard = ctx.shard
+        W, _ = _gather_rows(shard, ctx.V, rows, None, ctx.dtype)
+        g2, h2 = g.reshape(-1, g.shape[-1]), h.reshape(-1, h.shape[-1])
+        dh = (g2 @ W).view(h.shape).to(h.dtype) if ctx.needs_input_grad[0] else None
+        dW = db = None  # (the flags are the same on every rank: the collectives below match)
+        if ctx.needs_input_grad[1]:  # a frozen head (LoRA): no V x d gradient, no collective
+            # every rank's dL/dW for all rows (its own tokens), padded to the gather's layout,
+            # summed onto the rows' ranks
+            dW = torch.zeros(shard.world * shard.n_max, W.shape[1], dtype=torch.float32,
+                             device=g.device)
+            dW[:ctx.V] = g2.float().t() @ h2.float()
+            dW = shard.scatter_tokens(dW).div_(shard.world).to(rows.dtype)
+        if bias is not None and ctx.needs_input_grad[2]:
+            db = torch.zeros(shard.world * shard.n_max, dtype=torch.float32, device=g.device)
+            db[:ctx.V] = g2.float().sum(0)
+            db = shard.scatter_tokens(db).div_(shard.world).to(bias.dtype)
+        return dh, dW, db, None, None
+
+
+def _gather_rows(shard, V, rows, bias, dtype):
+    """W (V, d) and b whole from every rank's rows (cast to `dtype` first: half the bytes in bf16)."""
+    cast = dtype or rows.dtype
+    W = shard.gather_tokens(rows.to(cast))[0][:V]
+    b = shard.gather_tokens(bias.to(cast))[0][:V] if bias is not None else None
+    return W, b
+
+
+def _shard_rows(param, mesh, device):
+    """param (V, ...) as a Parameter holding this rank's rows only (a DTensor Shard(0): torch.chunk's
+    split), copied to `device` so that the full tensor can be freed; on the meta device it stays."""
+    from torch.distributed.tensor import DTensor, Shard
+    rank, world = mesh.get_local_rank(), mesh.size()
+    pieces = torch.chunk(param.detach(), world)  # fewer than world when V is tiny: empty shards
+    local = pieces[rank] if rank < len(pieces) else param.detach()[:0]
+    local = local if local.is_meta else local.to(device, copy=True)
+    return nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                           shape=param.shape, stride=param.stride()),
+                        requires_grad=param.requires_grad)
+
+
+def vocab_parallel(model, device, dtype=None):
+    """Split a plain nn.Embedding's and a plain nn.Linear LM head's weights by vocabulary rows over
+    the ranks (tied: the one weight), and give them the forwards above; `dtype`: the compute dtype
+    (FSDP's bf16 on GPU). Returns the modules done (their weights are for FSDP to ignore). A tied
+    weight whose embedding is not a plain lookup (Gemma's scaled one) stays FSDP's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embed.weight
+    lookup = plain_lookup(embed) and type(embed).forward is nn.Embedding.forward
+    linear = isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward
+    if tied and not (lookup and linear):
+        return []
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    done = []
+    if lookup:
+        embed.weight = _shard_rows(embed.weight, mesh, device)
+        anchor = torch.zeros((), requires_grad=True)
+
+        def lookup_forward(self, ids):  # a frozen E (LoRA): no backward node at all
+            a = anchor if self.weight.requires_grad and torch.is_grad_enabled() else anchor.detach()
+            return _VocabParallelLookup.apply(a, (self.weight,), ids, self.padding_idx, dtype)
+        embed.forward = types.MethodType(lookup_forward, embed)
+        done.append(embed)
+    if linear:
+        if tied:
+            head.weight = embed.weight
+        else:
+            head.weight = _shard_rows(head.weight, mesh, device)
+        if head.bias is not None:
+            head.bias = _shard_rows(head.bias, mesh, device)
+
+        def head_forward(self, h):
+            if self.whole is not None and not torch.is_grad_enabled():  # gathered for a while
+                return nn.functional.linear(h.to(self.whole[0].dtype), *self.whole)
+            bias = self.bias.to_local() if self.bias is not None else None
+            return _GatheredRowsLinear.apply(h, self.weight.to_local(), bias,
+                                             VocabShard(self.weight), dtype)
+
+        def gather_rows(gather=True):
+            """W (and b) whole until gather_rows(False): for no-grad callers that run the head many
+            times on one batch (importance's L skip runs, the teacher's chunks), one gather, not one
+            a call; fused_loss.root_unsharded calls it as FSDP's unshard / reshard."""
+            bias = head.bias.to_local() if head.bias is not None else None
+            head.whole = (_gather_rows(VocabShard(head.weight), head.weight.shape[0],
+                                       head.weight.to_local(), bias, dtype) if gather else None)
+        head.forward = types.MethodType(head_forward, head)
+        head.whole, head.gather_rows = None, gather_rows
+        done.append(head)
+    return done
