@@ -44,7 +44,7 @@ from sampler import gumbel_noise, gumbel_topk, k_schedule, score_lr_schedule, ta
 from scale.checkpoint import Run
 from surgery import (LayerGates, LayerSearch, add_lora, check_removable, decoder_layers,
                      export_pruned, keep_mask, kl_importance, merge_lora, protected_layers,
-                     remove_layers)
+                     remove_layers, serving_notes)
 
 # -----------------------------------------------------------------------------
 # Settings: the paper's (Appendix E, Llama-2-7B's column) are every flag's default. "T/20" is a
@@ -376,6 +376,8 @@ def prune_to_top_k(model, opt, search, args):
     Plackett-Luce law, and the other layers removed. They never run again and leave the optimizer,
     whose Adam moments for the kept weights carry over. Returns (kept, optimizer)."""
     kept = search.kept()
+    for note in serving_notes(model.config, kept):
+        print0(f"warning: {note}")
     before = set(model.parameters())
     remove_layers(model, kept)
     if torch.distributed.is_initialized():  # FSDP's root forgets the removed layers' units
@@ -515,6 +517,8 @@ def main(argv=None):
         raise E3Error(f"--masks-per-step {args.masks_per_step} must divide the "
                       f"{args.batch_size // args.micro_batch} micro-batches of a step")
     check_removable(shape.config, args.layers)  # a layout the config cannot express: stop now
+    for note in serving_notes(shape.config, args.layers):  # where an engine would differ
+        print0(f"warning: {note}")
     T, T_M = args.steps, args.search_steps
     args.out = args.out or f"runs/{Path(args.model).name}-keep{args.keep}"
     run = Run(args.out, run_identity(args), rank, args.resume)

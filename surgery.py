@@ -322,11 +322,13 @@ def merge_lora(state, scale):
 # -----------------------------------------------------------------------------
 # Eq. 2: the cut. Removal renumbers the layers, so every config setting keyed by a layer's index is
 # rewritten for the kept ones: lists with one value per layer are sliced (Gemma's `layer_types`),
-# `*_layers` index lists renumbered (Qwen-MoE's `mlp_only_layers`), and the MoE families' index RULES
-# turned into the kept layout (architectures/layouts.py, imported only for a config that has one)
+# `*_layers` index lists renumbered (Qwen-MoE's `mlp_only_layers`), and the families' index RULES
+# (a dense prefix, a MoE step, a period) turned into the kept layout (architectures/layouts.py,
+# imported only for a config that has one)
 
-MOE_INDEX_RULES = ("decoder_sparse_step", "moe_layer_interval", "first_k_dense_replace",
-                   "num_dense_layers")
+INDEX_RULES = ("decoder_sparse_step", "moe_layer_interval", "first_k_dense_replace",
+               "num_dense_layers", "max_window_layers", "interleave_moe_layer_step",
+               "_sliding_window_pattern", "num_nextn_predict_layers")
 PER_LAYER = ("layer_types", "no_rope_layers")  # one value a layer, even where they read like ids
 INDEX_NAMES = ("layer_idx", "layer_id", "layer_index", "layer_number")  # renumbered, no layout
 
@@ -346,20 +348,20 @@ def _is_index_list(key, value, L):
 
 def rewrite_layer_settings(cfg, keep, L):
     """Rewrite, in place, every per-layer setting of `cfg` (which describes L layers) for `keep`."""
-    moe = None
-    if any(isinstance(getattr(cfg, key, None), int) for key in MOE_INDEX_RULES):
+    rules = None
+    if any(isinstance(getattr(cfg, key, None), int) for key in INDEX_RULES):
         from architectures import layouts  # read before the loop rewrites what it reads
-        moe = layouts.sparse_layers(cfg, L)
+        rules = layouts.read_rules(cfg, L)
     new_index = {i: j for j, i in enumerate(keep)}
     for key, value in list(vars(cfg).items()):
-        if key.startswith("_") or key in MOE_INDEX_RULES:
+        if key.startswith("_") or key in INDEX_RULES:
             continue
         if _is_index_list(key, value, L):
             setattr(cfg, key, type(value)(new_index[i] for i in value if i in new_index))
         elif isinstance(value, (list, tuple)) and len(value) == L:
             setattr(cfg, key, type(value)(value[i] for i in keep))
-    if moe is not None:
-        layouts.write_layout(cfg, keep, moe)
+    if rules is not None:
+        layouts.write_rules(cfg, keep, rules)
     cfg.num_hidden_layers = len(keep)
 
 
@@ -401,6 +403,20 @@ def pruned_config(config, keep):
                           f"layout to its index in a way surgery.rewrite_layer_settings does not "
                           f"know; this architecture cannot be pruned")
     return new
+
+
+# the families a serving engine computes differently once pruned off its fixed periods (llama.cpp,
+# vLLM): architectures/engines.py says where, imported only for these
+SERVING_FAMILIES = ("smollm3", "llama4", "llama4_text", "qwen2_moe", "qwen3_moe", "deepseek_v2",
+                    "deepseek_v3", "gpt_oss")
+
+
+def serving_notes(config, kept=None):
+    """Warnings, 'engine: what differs', for a kept set (or, None, the family's rule)."""
+    if config.get_text_config().model_type not in SERVING_FAMILIES:
+        return []
+    from architectures.engines import notes
+    return notes(config, kept)
 
 
 def check_removable(config, kept=None):

@@ -349,7 +349,7 @@ class FusedLoss:
         model.train(training)
         tight = plain.device.type == "cpu"  # fp32 on a CPU; a GPU computes in bf16
         if not torch.allclose(fused.float(), plain.float(), rtol=1e-4 if tight else 2e-2,
-                              atol=1e-5):
+                              atol=1e-4 if tight else 1e-3):  # sums in another order
             raise E3Error(f"the fused LM head's '{kind}' loss is {fused.item():.6g} where kd.py's "
                           f"is {plain.item():.6g}: kd.py (or the model's logit transform) computes "
                           f"something scale/fused_loss.py does not; run with --logit-chunk 0")

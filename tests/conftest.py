@@ -26,6 +26,8 @@ def tiny_config(arch, layers=6, vocab=49152):
         shared.update(head_dim=8)
     if arch == "mistral":
         shared.update(sliding_window=4)
+    if arch == "smollm3":  # its default pad id lies past this vocabulary
+        shared.update(pad_token_id=None)
     return AutoConfig.for_model(arch, **shared)
 
 

@@ -1,0 +1,75 @@
+"""
+Where a serving engine would compute a pruned model differently from transformers, said before the
+run. Engines derive some per-layer behaviour from fixed periods of the layer index unless the model
+file says otherwise; transformers reads the exported config's per-layer lists. The differences that
+no file can fix (read from the engines' sources: docs/architectures.md cites the lines):
+
+  llama.cpp  SmolLM3     no RoPE iff (j + 1) % 4 == 0, hard-coded (src/models/smollm3.cpp)
+             Llama-4     no RoPE iff (j + 1) % 4 == 0, hard-coded; MoE iff (j + 1) % step == 0
+                         (src/models/llama4.cpp)
+             Qwen2/3-MoE every layer must have experts (src/models/qwen2moe.cpp, qwen3moe.cpp)
+             DeepSeek    a model with q_lora_rank pruned to 26 or 27 layers is taken for V2-Lite
+                         (src/models/deepseek2.cpp)
+  vLLM       GPT-OSS     sliding window iff j % 2 == 0, hard-coded (models/gpt_oss.py)
+             Llama-4     MoE iff (j + 1) % interleave_moe_layer_step == 0 (models/llama4.py)
+
+The sliding-window order of Gemma-2/3, GPT-OSS and Cohere2 in llama.cpp is no such case: the GGUF
+command (architectures/gguf.py) writes it per layer. surgery.serving_notes imports this module only
+for the families above (surgery.SERVING_FAMILIES).
+"""
+def _period_mismatch(flags, keep, rule):
+    """The new indices j where the kept layers' own flags differ from rule(j)."""
+    return [j for j, i in enumerate(keep) if bool(flags[i]) != bool(rule(j))]
+
+
+def notes(config, kept=None):
+    """Warnings for this family, each 'engine: what differs': with `kept` (original indices), the
+    kept layers whose behaviour would change, by their new index; without, the family's rule, for
+    the start of a run that has not chosen its layers yet."""
+    cfg = config.get_text_config()
+    family, L = cfg.model_type, cfg.num_hidden_layers
+    keep = sorted(kept) if kept is not None else None
+    out = []
+
+    def rule_note(engine, what, flags, rule, text):
+        if keep is None:
+            out.append(f"{engine}: {family} {text}; a kept order off that period computes "
+                       f"differently there")
+        elif changed := _period_mismatch(flags, keep, rule):
+            out.append(f"{engine}: {family} {text}: the pruned model's layers {changed} (new "
+                       f"indices) would get the other {what} there than in transformers")
+
+    if family in ("smollm3", "llama4", "llama4_text"):  # no_rope_layers[i] = 1: RoPE
+        rope = getattr(cfg, "no_rope_layers", None) or [int((i + 1) % 4 != 0) for i in range(L)]
+        rule_note("llama.cpp", "RoPE", rope, lambda j: (j + 1) % 4 != 0,
+                  "has no RoPE on every 4th layer, hard-coded (no GGUF key)")
+    if family in ("llama4", "llama4_text") and getattr(cfg, "moe_layers", None) is not None:
+        moe = [i in set(cfg.moe_layers) for i in range(L)]
+        step = cfg.interleave_moe_layer_step
+        if keep is None or not _periodic([moe[i] for i in keep]):
+            for engine in ("llama.cpp", "vLLM"):
+                rule_note(engine, "feed-forward (MoE or dense)", moe,
+                          lambda j: step > 0 and (j + 1) % step == 0,
+                          f"puts MoE on every {step}th layer (interleave_moe_layer_step)")
+    if family in ("qwen2_moe", "qwen3_moe"):
+        step, dense = cfg.decoder_sparse_step, set(getattr(cfg, "mlp_only_layers", None) or ())
+        sparse = [i not in dense and (i + 1) % step == 0 for i in range(L)]
+        if not all(sparse[i] for i in (keep if keep is not None else range(L))):
+            out.append(f"llama.cpp: {family} needs experts in every layer; the dense layers kept "
+                       f"here do not load there")
+    if family in ("deepseek_v2", "deepseek_v3") and getattr(cfg, "q_lora_rank", None):
+        if keep is None or len(keep) in (26, 27):
+            out.append(f"llama.cpp: {family} with {'26 or 27' if keep is None else len(keep)} "
+                       f"layers is taken for DeepSeek-V2-Lite and does not load; keep another "
+                       f"count")
+    if family == "gpt_oss" and getattr(cfg, "layer_types", None):
+        sliding = [t == "sliding_attention" for t in cfg.layer_types]
+        if keep is None or not all(sliding[i] for i in keep):  # all sliding: vLLM serves it so
+            rule_note("vLLM", "attention (sliding or full)", sliding, lambda j: j % 2 == 0,
+                      "slides the window on the even layers, hard-coded")
+    return out
+
+
+def _periodic(flags):
+    from architectures.layouts import period
+    return period(flags) is not None

@@ -1,0 +1,214 @@
+"""
+A pruned export as a GGUF file that llama.cpp computes as transformers does:
+
+    python -m architectures.gguf runs/X/model                       # -> runs/X/model-f16.gguf
+    python -m architectures.gguf runs/X/model --outtype f32 --quantize Q8_0 --llama-cpp ~/llama.cpp
+
+llama.cpp's own converter (convert_hf_to_gguf.py) writes the tensors and the tokenizer; this adds what
+a pruned layer order needs, with the `gguf` package, and refuses nothing: where llama.cpp can express
+the order, the file says it; where it cannot (architectures/engines.py), it prints the warning.
+
+  the sliding-window order   Gemma-2/3, GPT-OSS and Cohere2 take it (and, for Gemma-3 and Cohere2,
+                             each layer's RoPE) from a fixed period unless the file has a per-layer
+                             array `<arch>.attention.sliding_window_pattern`, which their converters
+                             do not write: written from the export's layer_types when it is off the
+                             period (true = sliding), so an on-period export is left as converted
+  Llama-4's MoE step         `llama4.interleave_moe_layer_step`, the kept MoE layers' period
+  DeepSeek-V2-Lite           `deepseek2.attention.q_lora_rank` = 0 for a layer count llama.cpp does
+                             not take for Lite (it guesses Lite from 26 or 27 layers)
+  Gemma-2/3's query scale    llama.cpp scales attention by query_pre_attn_scalar only for the 27B
+                             layer count (62, 46); otherwise by the head size: the difference is
+                             folded into the query (Gemma-3's q_norm weight, Gemma-2's q weight)
+
+The llama.cpp tree: --llama-cpp DIR (a checkout), else the source package llama-cpp-python, which
+vendors the whole tree, fetched once with pip into ~/.cache/e3-pruner/ (nothing prebuilt). A
+quantised type (--quantize Q8_0 | Q4_K_M) runs llama.cpp's llama-quantize, built there with cmake
+the first time (a few minutes).
+"""
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cache_teacher import CACHE_DIR, E3Error, print0, run_main  # noqa: E402
+
+LLAMA_CPP_PACKAGE = "llama-cpp-python==0.3.36"
+# llama.cpp's arch name -> the fixed period its loader falls back to (load_swa_pattern: layer il is
+# sliding iff il % n < n - 1), for the families whose converter writes no per-layer array
+SWA_PERIOD = {"gemma3": 6, "gemma2": 2, "gpt-oss": 2, "cohere2": 4}
+# the layer count at which llama.cpp scales Gemma's attention by query_pre_attn_scalar (27B)
+GEMMA_27B_LAYERS = {"gemma3": 62, "gemma2": 46}
+
+
+def text_config(export):
+    cfg = json.loads((Path(export) / "config.json").read_text())
+    return cfg.get("text_config", cfg)
+
+
+def per_layer_keys(arch, cfg):
+    """{GGUF key: value} to add for the export's text config `cfg` (keys the converter left out)."""
+    import gguf
+    k, keys = cfg["num_hidden_layers"], {}
+    types = cfg.get("layer_types")
+    if arch in SWA_PERIOD and types:
+        sliding = [t == "sliding_attention" for t in types]
+        n = SWA_PERIOD[arch]
+        if sliding != [il % n < n - 1 for il in range(k)]:  # off llama.cpp's period: say it
+            keys[gguf.Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=arch)] = sliding
+    if arch == "llama4" and cfg.get("moe_layers") is not None:
+        from architectures.layouts import period
+        step = period([j in set(cfg["moe_layers"]) for j in range(k)])
+        if step is not None:
+            keys[gguf.Keys.LLM.INTERLEAVE_MOE_LAYER_STEP.format(arch=arch)] = step
+    if arch == "deepseek2" and cfg.get("q_lora_rank") is None and k not in (26, 27):
+        keys[gguf.Keys.Attention.Q_LORA_RANK.format(arch=arch)] = 0
+    return keys
+
+
+def query_scale(arch, cfg):
+    """The factor to fold into Gemma's queries, or None: transformers scales q k^T by
+    query_pre_attn_scalar^-1/2, llama.cpp by (d_model / heads)^-1/2 at the 27B layer count and by
+    head_dim^-1/2 otherwise."""
+    if arch not in GEMMA_27B_LAYERS or "query_pre_attn_scalar" not in cfg:
+        return None
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    llama = cfg["hidden_size"] / heads if cfg["num_hidden_layers"] == GEMMA_27B_LAYERS[arch] \
+        else head_dim
+    c = math.sqrt(llama / cfg["query_pre_attn_scalar"])
+    return None if abs(c - 1) < 1e-7 else c
+
+
+def rewrite(src, dst, export):
+    """Copy the converter's `src` to `dst` with the per-layer keys added, the query scale folded;
+    returns (arch, the keys written, the scale folded or None)."""
+    import gguf
+    import numpy as np
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+    reader = gguf.GGUFReader(src, "r")
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    cfg = text_config(export)
+    keys = per_layer_keys(arch, cfg)
+    new = {}
+    for key, value in keys.items():
+        if isinstance(value, list):  # python bools: a BOOL array (llama.cpp reads it per layer)
+            new[key] = MetadataDetails(gguf.GGUFValueType.ARRAY, [bool(v) for v in value],
+                                       sub_type=gguf.GGUFValueType.BOOL)
+        else:
+            new[key] = MetadataDetails(gguf.GGUFValueType.UINT32, int(value))
+    writer = gguf.GGUFWriter(dst, arch=arch, endianess=reader.endianess)
+    align = reader.get_field(gguf.Keys.General.ALIGNMENT)
+    if align is not None:
+        writer.data_alignment = align.contents()
+    copy_with_new_metadata(reader, writer, new, [])
+    scale = query_scale(arch, cfg)
+    if scale is not None:  # q_norm weights (F32, the converter adds the 1), or q itself
+        suffix = ".attn_q_norm.weight" if arch == "gemma3" else ".attn_q.weight"
+        out = gguf.GGUFReader(dst, "r+")
+        for t in out.tensors:
+            if t.name.endswith(suffix):
+                if t.tensor_type not in (gguf.GGMLQuantizationType.F32,
+                                         gguf.GGMLQuantizationType.F16):
+                    raise E3Error(f"{t.name} is {t.tensor_type.name}: convert with --outtype f32 "
+                                  f"or f16 and quantise after")
+                t.data[...] = (t.data.astype(np.float32) * scale).astype(t.data.dtype)
+        out.data.flush()
+    return arch, keys, scale
+
+
+def llama_cpp_tree(path=None):
+    """A llama.cpp source tree: the checkout given, or the one the llama-cpp-python source package
+    vendors, fetched once into CACHE_DIR."""
+    if path:
+        tree = Path(path).expanduser()
+        if not (tree / "convert_hf_to_gguf.py").exists():
+            raise E3Error(f"'{tree}' is no llama.cpp checkout (no convert_hf_to_gguf.py)")
+        return tree
+    tree = CACHE_DIR / "llama.cpp" / "vendor" / "llama.cpp"
+    if not (tree / "convert_hf_to_gguf.py").exists():
+        print0(f"fetching the source package {LLAMA_CPP_PACKAGE} (llama.cpp's tree) once")
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                            ":all:", LLAMA_CPP_PACKAGE, "-d", tmp], check=True)
+            (sdist,) = Path(tmp).glob("*.tar.gz")
+            with tarfile.open(sdist) as tar:
+                tar.extractall(tmp, filter="data")
+            (root,) = [p for p in Path(tmp).iterdir() if p.is_dir()]
+            shutil.rmtree(CACHE_DIR / "llama.cpp", ignore_errors=True)
+            shutil.move(str(root), CACHE_DIR / "llama.cpp")
+    return tree
+
+
+def tool(tree, name):
+    """A llama.cpp program (llama-quantize, llama-perplexity, llama-bench), built with cmake in the
+    tree the first time it is asked for."""
+    binary = Path(tree) / "build" / "bin" / name
+    if not binary.exists():
+        print0(f"building {name} in {tree}/build (once; a few minutes)")
+        subprocess.run(["cmake", "-S", str(tree), "-B", str(Path(tree) / "build"),
+                        "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+                        "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF"], check=True,
+                       stdout=subprocess.DEVNULL)
+        subprocess.run(["cmake", "--build", str(Path(tree) / "build"), "--target", name, "-j",
+                        str(os.cpu_count() or 2)], check=True, stdout=subprocess.DEVNULL)
+    return binary
+
+
+def convert(export, out=None, outtype="f16", quantize=None, llama_cpp=None):
+    """export (a prune.py model folder) -> a GGUF file; returns its path."""
+    export = Path(export)
+    if not (export / "config.json").exists():
+        raise E3Error(f"'{export}' holds no config.json; pass a prune.py export folder")
+    tree = llama_cpp_tree(llama_cpp)
+    out = Path(out or export.with_name(f"{export.name}-{(quantize or outtype).lower()}.gguf"))
+    info = export / "pruning.json"
+    if info.exists():  # what an engine cannot be told (the same warnings prune.py printed)
+        from transformers import AutoConfig
+
+        from surgery import serving_notes
+        pruning = json.loads(info.read_text())
+        source = AutoConfig.from_pretrained(pruning["source_model"]) \
+            if Path(pruning["source_model"]).exists() else None
+        for note in serving_notes(source, pruning["kept_layers"]) if source else []:
+            print0(f"warning: {note}")
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        raw, fixed = Path(tmp) / "converted.gguf", Path(tmp) / "fixed.gguf"
+        subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(export),
+                        "--outtype", outtype, "--outfile", str(raw)], check=True)
+        arch, keys, scale = rewrite(raw, fixed, export)
+        for key, value in keys.items():
+            print0(f"{key} = {value}")
+        if scale is not None:
+            print0(f"folded the query scale {scale:.6g} into the queries (llama.cpp's Gemma "
+                   f"attention scale depends on the layer count)")
+        if quantize:
+            subprocess.run([str(tool(tree, "llama-quantize")), str(fixed), str(out), quantize],
+                           check=True, stdout=subprocess.DEVNULL)
+        else:
+            os.replace(fixed, out)
+    print0(f"wrote {out} ({arch})")
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("export", help="a prune.py export folder (runs/X/model) or any HF checkpoint")
+    p.add_argument("--out", help="the GGUF file (default: beside the export)")
+    p.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16"],
+                   help="the converter's type (default f16)")
+    p.add_argument("--quantize", choices=["Q8_0", "Q4_K_M"], help="then llama-quantize to this")
+    p.add_argument("--llama-cpp", help="a llama.cpp checkout (default: fetch the source package)")
+    a = p.parse_args()
+    convert(a.export, a.out, a.outtype, a.quantize, a.llama_cpp)
+
+
+if __name__ == "__main__":
+    run_main(main)

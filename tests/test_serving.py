@@ -1,0 +1,186 @@
+"""The pruned model in the engines people serve it with, where no engine is needed: the GGUF keys
+architectures/gguf.py adds to what llama.cpp's converter wrote (read back with gguf's own reader),
+the warnings for what no file can say (architectures/engines.py), and the config rewrites that keep
+vLLM's period-reading code consistent (architectures/layouts.py). llama.cpp itself runs in
+experiments/llama_cpp.py (its build takes minutes)."""
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from architectures.gguf import rewrite
+from conftest import tiny_config
+from surgery import export_pruned, remove_layers, serving_notes
+
+gguf = pytest.importorskip("gguf")
+
+
+def converted(path, arch, layers, tensors=None):
+    """A GGUF as llama.cpp's converter writes one for these families: the layer count and the window
+    size, no per-layer pattern (gemma.py, gpt_oss.py, command_r.py)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_sliding_window(4)
+    for name, value in (tensors or {"token_embd.weight": np.ones((4, 8), np.float32)}).items():
+        w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def export(tmp_path, tokenizer, arch, layers, keep, **settings):
+    """A tiny random model of `arch`, pruned to `keep` and exported as prune.py does."""
+    cfg = tiny_config(arch, layers)
+    for k, v in settings.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    src = tmp_path / "src"
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    remove_layers(model, keep)
+    out = tmp_path / "export"
+    export_pruned(str(src), {k: v.detach() for k, v in model.state_dict().items()}, keep, layers,
+                  tokenizer, out, {"source_model": str(src)})
+    return out
+
+
+def field(path, key):
+    f = gguf.GGUFReader(str(path)).get_field(key)
+    return None if f is None else f.contents()
+
+
+@pytest.mark.parametrize("arch, gguf_arch, layers, keep", [
+    ("gemma3_text", "gemma3", 12, [0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11]),  # layer 6 gone: 11 -> 10 full
+    ("gemma2", "gemma2", 6, [0, 2, 3, 4, 5]),  # layer 1 gone: the even / odd order flips
+])
+def test_an_off_period_order_is_written_per_layer(arch, gguf_arch, layers, keep, tmp_path, tokenizer):
+    """llama.cpp takes Gemma's sliding layers from a fixed period (6, 2) unless the file has a
+    per-layer array: written from the export's layer_types, true where the layer slides."""
+    out = export(tmp_path, tokenizer, arch, layers, keep)
+    types = AutoConfig.from_pretrained(out).get_text_config().layer_types
+    src = converted(tmp_path / "converted.gguf", gguf_arch, len(keep))
+    arch_name, keys, _ = rewrite(src, tmp_path / "fixed.gguf", out)
+    key = f"{gguf_arch}.attention.sliding_window_pattern"
+    assert arch_name == gguf_arch and list(keys) == [key]
+    assert field(tmp_path / "fixed.gguf", key) == [t == "sliding_attention" for t in types]
+    assert field(src, key) is None  # what the converter wrote had none
+    assert field(tmp_path / "fixed.gguf", f"{gguf_arch}.block_count") == len(keep)
+
+
+def test_an_on_period_export_is_left_as_converted(tmp_path, tokenizer):
+    """Gemma-3 18 -> 12 with layers 6-11 removed keeps the 5-sliding-1-full order: nothing to add."""
+    keep = [0, 1, 2, 3, 4, 5, 12, 13, 14, 15, 16, 17]
+    out = export(tmp_path, tokenizer, "gemma3_text", 18, keep)
+    src = converted(tmp_path / "converted.gguf", "gemma3", len(keep))
+    _, keys, scale = rewrite(src, tmp_path / "fixed.gguf", out)
+    assert keys == {} and scale is None
+    fields = lambda p: {k: f.contents() for k, f in gguf.GGUFReader(str(p)).fields.items()}  # noqa
+    assert fields(tmp_path / "fixed.gguf") == fields(src)
+
+
+def test_gemma_query_scale_is_folded_into_q_norm(tmp_path, tokenizer):
+    """transformers scales Gemma's q k^T by query_pre_attn_scalar^-1/2, llama.cpp by head_dim^-1/2
+    except at the 27B layer count: the ratio goes into the q_norm weights (F32, the 1 added)."""
+    out = export(tmp_path, tokenizer, "gemma3_text", 6, [0, 1, 2, 3, 5], query_pre_attn_scalar=32)
+    q_norm = np.full(8, 1.5, np.float32)
+    src = converted(tmp_path / "c.gguf", "gemma3", 5, {"blk.0.attn_q_norm.weight": q_norm,
+                                                      "blk.0.attn_k_norm.weight": q_norm})
+    _, _, scale = rewrite(src, tmp_path / "fixed.gguf", out)
+    assert scale == pytest.approx((8 / 32) ** 0.5)  # head_dim 8
+    tensors = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(tmp_path / "fixed.gguf")).tensors}
+    np.testing.assert_allclose(tensors["blk.0.attn_q_norm.weight"], 1.5 * scale, rtol=1e-6)
+    np.testing.assert_array_equal(tensors["blk.0.attn_k_norm.weight"], q_norm)
+
+
+def test_a_family_without_a_per_layer_key_is_warned_before_the_run(make_tiny, tmp_path):
+    """SmolLM3's no-RoPE layers are every 4th in llama.cpp, hard-coded: a kept order off that period
+    is named (engine, family, the layers) before the run; one on it is not."""
+    config = tiny_config("smollm3", 8)
+    assert any("llama.cpp: smollm3" in n for n in serving_notes(config))  # the rule, at the start
+    (note,) = serving_notes(config, [0, 2, 3, 4, 5, 6, 7])  # layer 1 gone: 3 -> 2 loses its place
+    assert "llama.cpp" in note and "smollm3" in note and "[2, 3, 6]" in note, note
+    assert serving_notes(config, [0, 1, 2, 3, 4, 5, 6]) == []  # the last layer only: on period
+    assert serving_notes(tiny_config("llama", 8), [0, 2, 3]) == []
+
+
+def test_prune_py_prints_the_warning_before_any_work(tmp_path, tokenizer):
+    """The warning comes before anything is read or written: here the run stops at once after it
+    (its --data does not exist)."""
+    import subprocess
+    import sys
+
+    from test_prune import ROOT
+    AutoModelForCausalLM.from_config(tiny_config("smollm3", 6)).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    proc = subprocess.run([sys.executable, str(ROOT / "prune.py"), "--model", str(tmp_path / "m"),
+                           "--layers", "0,2,3,5", "--steps", "0", "--init", "kl",
+                           "--data", str(tmp_path / "none.txt"), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert "warning: llama.cpp: smollm3" in proc.stdout and "[2, 3]" in proc.stdout, proc.stdout
+    assert proc.returncode == 2 and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("keep, step", [([0, 1, 2, 3, 4, 5], 2), ([0, 3, 4, 5], 2), ([0, 2, 4, 5], 4),
+                                        ([1, 3, 5], 1), ([0, 1, 2, 3, 5], None)])
+def test_llama4_moe_step_follows_the_kept_layers(keep, step):
+    """vLLM (and llama.cpp) place Llama-4's MoE layers by interleave_moe_layer_step, transformers by
+    moe_layers: the step is rewritten to the kept MoE layers' period; with none, vLLM is warned."""
+    from test_architectures import tiny
+    model = tiny("llama4_text")  # 6 layers, MoE every 2nd
+    cfg = copy.deepcopy(model.config)  # the source's, for the warnings
+    assert cfg.moe_layers == [1, 3, 5]
+    remove_layers(model, keep)
+    new = model.config
+    assert new.moe_layers == [j for j, i in enumerate(keep) if i in (1, 3, 5)]
+    notes = [n for n in serving_notes(cfg, keep) if "vLLM" in n]
+    if step is None:
+        assert new.interleave_moe_layer_step == 2 and notes
+    else:
+        assert new.interleave_moe_layer_step == step and not notes
+        assert new.moe_layers == [j for j in range(len(keep)) if (j + 1) % step == 0]
+
+
+def test_vllm_period_settings_stay_consistent(tmp_path, tokenizer):
+    """Settings a period-reading engine uses, rewritten with the cut: Qwen2's full-attention prefix
+    (max_window_layers) counts the kept layers below it; DeepSeek-V3's multi-token-prediction layers,
+    which transformers never loads, are 0 in an export that holds none; GPT-OSS off vLLM's hard-coded
+    even/odd order is warned."""
+    cfg = AutoConfig.for_model("qwen3", vocab_size=64, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=8, use_sliding_window=True, sliding_window=4,
+                               max_window_layers=4)
+    model = AutoModelForCausalLM.from_config(cfg)
+    before = list(model.config.layer_types)
+    assert set(before) == {"full_attention", "sliding_attention"}
+    remove_layers(model, [0, 2, 5, 6, 7])
+    assert model.config.max_window_layers == 2
+    settings = {**model.config.to_dict(), "layer_types": None}
+    settings.pop("model_type")
+    rebuilt = AutoConfig.for_model("qwen3", **settings)  # the rule of the rewritten prefix
+    assert rebuilt.layer_types == [before[i] for i in (0, 2, 5, 6, 7)]
+    from test_architectures import tiny
+    ds = tiny("deepseek_v3")
+    assert ds.config.num_nextn_predict_layers > 0
+    remove_layers(ds, [0, 2, 3, 5])
+    assert ds.config.num_nextn_predict_layers == 0
+    oss = tiny("gpt_oss").config
+    assert serving_notes(oss, [0, 1, 4, 5]) == []  # the even/odd order kept
+    (note,) = serving_notes(oss, [0, 2, 3, 4, 5])
+    assert note.startswith("vLLM: gpt_oss") and "[1, 2, 3, 4]" in note, note
+
+
+def test_gemma3_period_setting_follows_the_kept_order(tmp_path, tokenizer):
+    """Gemma-3's sliding_window_pattern (read by older engines instead of layer_types) is rewritten to
+    the kept order's period when it has one: 12 -> 8 layers keeping 4-sliding-1-full-like order."""
+    keep = [0, 1, 2, 5, 6, 7, 8, 11]  # layers 3, 4, 9, 10 gone: full at 5 and 11 -> new 3 and 7
+    out = export(tmp_path, tokenizer, "gemma3_text", 12, keep)
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["layer_types"][3] == saved["layer_types"][7] == "full_attention"
+    # transformers 5 saves the period under its private name
+    assert saved.get("_sliding_window_pattern", saved.get("sliding_window_pattern")) == 4
