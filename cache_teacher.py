@@ -189,7 +189,7 @@ def load_model(name, device="cpu", dtype=torch.float32, weights=True):
     on the meta device from its config alone: no memory, no reads. A checkpoint that leaves weights
     uninitialised is refused (transformers only warns)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    name = resolve_model(name)
+    name = str(resolve_model(name))
     local = Path(name)
     if (name.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").exists():
         raise E3Error(f"model folder '{name}' not found or holds no config.json; pass --model with "
@@ -610,6 +610,9 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
     from transformers import AutoTokenizer
     rank, world = rank_and_world()
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if world > 1 and device.type == "cpu":  # CPU ranks: freed tensors back to the OS (scale/)
+        from scale.fsdp import release_freed_memory
+        release_freed_memory()
     out = Path(out)
     try:  # the tokenizer alone tells whether there is work: the teacher loads only if there is
         tok = AutoTokenizer.from_pretrained(resolve_model(model_name))

@@ -510,6 +510,9 @@ def main(argv=None):
     if cache:  # a given cache fixes seq-len and K
         args.seq_len, args.topk = cache.seq_len, cache.topk
     protected = settle(args, L, world)
+    if args.device.type == "cpu" and (world > 1 or args.logit_chunk):  # the scale wing on a CPU:
+        from scale.fsdp import release_freed_memory  # freed tensors go back to the OS
+        release_freed_memory()
     if args.batch_size % (world * args.micro_batch):
         raise E3Error(f"--batch-size {args.batch_size} must be a multiple of ranks x --micro-batch "
                       f"({world} x {args.micro_batch})")

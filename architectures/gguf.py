@@ -180,8 +180,12 @@ def convert(export, out=None, outtype="f16", quantize=None, llama_cpp=None):
             print0(f"warning: {note}")
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         raw, fixed = Path(tmp) / "converted.gguf", Path(tmp) / "fixed.gguf"
-        subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(export),
-                        "--outtype", outtype, "--outfile", str(raw)], check=True)
+        done = subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(export),
+                               "--outtype", outtype, "--outfile", str(raw)],
+                              capture_output=True, text=True)
+        if done.returncode:  # the converter's own words: a family or a setting it does not take
+            raise E3Error(f"llama.cpp's converter refused '{export}': "
+                          f"{(done.stderr.strip().splitlines() or ['?'])[-1]}")
         arch, keys, scale = rewrite(raw, fixed, export)
         for key, value in keys.items():
             print0(f"{key} = {value}")

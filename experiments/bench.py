@@ -5,6 +5,7 @@ round, and prints one line `name: ratio (goal ...)` with the median of the per-r
 
     python experiments/bench.py               # all seven on the packaged SmolLM2-135M (minutes)
     python experiments/bench.py search init   # some, by name
+    python experiments/bench.py search --repeats 15   # more paired rounds
 
     search    a Gumbel-TopK search step (all L layers run, masked) / a plain KD step of the same
               model
@@ -346,13 +347,17 @@ BENCHES = {"search": bench_search, "finetune": bench_finetune, "offline": bench_
 
 
 def main():
-    names = sys.argv[1:] or list(BENCHES)
+    args = sys.argv[1:]
+    repeats = None
+    if "--repeats" in args:  # more paired rounds: a steadier median on a noisy machine
+        i = args.index("--repeats")
+        repeats, args = int(args[i + 1]), args[:i] + args[i + 2:]
+    names = args or list(BENCHES)
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
-        raise E3Error(f"unknown benchmark {', '.join(unknown)}; "
-                             f"pick from {', '.join(BENCHES)}")
+        raise E3Error(f"unknown benchmark {', '.join(unknown)}; pick from {', '.join(BENCHES)}")
     for name in names:
-        BENCHES[name]()
+        BENCHES[name](**({"repeats": repeats} if repeats else {}))
 
 
 if __name__ == "__main__":
