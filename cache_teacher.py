@@ -83,6 +83,8 @@ def run_main(main):
     """Call main(); an E3Error becomes one clear line and exit status 2 instead of a traceback."""
     try:
         main()
+        if torch.distributed.is_initialized():  # no rank closes its connections while another
+            torch.distributed.barrier()         # still reads the last collective's data
     except E3Error as e:
         if int(os.environ.get("RANK", 0)) == 0:  # under torchrun: one line, not one per rank
             print(f"error: {e}", file=sys.stderr, flush=True)
