@@ -30,7 +30,9 @@ This file is also where a model and a corpus are read (every script starts here)
 What a cache folder holds: shards train-00000.safetensors, ..., val-00000.safetensors (input_ids
 (n,T), topk_ids (n,T,K), topk_logprobs (n,T,K) fp16, entropy (n,T) fp32: 46 bytes a token at K = 10
 with uint16 ids) and meta.json, written last (it exists == the cache is complete), holding the
-identity (model, tokenizer, K, T, the tokens' hash) and each shard's size and sha256. Under torchrun
+identity (model, tokenizer, K, T, the tokens' hash), the kind of targets and each shard's size and
+sha256. --targets sampled stores N draws a position from the teacher's softmax instead of the top-K
+(sample_ids (n,T,N), seeded per shard: 30 bytes a token at N = 12; kd.py: an unbiased target). Under torchrun
 rank r computes the shards r, r + N, ...; batches never straddle shards, so the cache does not depend
 on the number of ranks. A shard is written under a temporary name and renamed: a killed run reruns
 the same command and computes only the missing shards.
@@ -248,39 +250,13 @@ def corpus_files(data=None):
     return [path]
 
 
-def _jsonl_documents(path, text_field, tok):
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                if text_field not in obj and isinstance(obj.get("messages"), list):
-                    yield _render_chat(tok, obj["messages"], f"{path}:{n}"), False
-                else:
-                    yield obj[text_field], True
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-                raise E3Error(f"{path}:{n} is not a JSON object with a '{text_field}' field or a "
-                              f"'messages' list; fix the line or pass --text-field") from None
-
-
-def _render_chat(tok, messages, where):
-    """A conversation as its chat template writes it, special tokens included (encoded with
-    add_special_tokens=False, as apply_chat_template(tokenize=True) does)."""
-    if getattr(tok, "chat_template", None) is None:
-        raise E3Error(f"{where} is a chat ('messages') but the tokenizer has no chat template; "
-                      f"pass a model whose tokenizer has one, or plain text with --text-field")
-    return tok.apply_chat_template(messages, tokenize=False)
-
-
 def documents(tok, data=None, text_field="text"):
     """(text, is_plain_text) for every non-blank document of --data, lazily, in reading order."""
     for path in corpus_files(data):
-        if path.suffix == ".jsonl":
-            docs = _jsonl_documents(path, text_field, tok)
-        elif path.suffix == ".parquet":  # FineWeb-style shards: pyarrow, in the scale wing
-            from scale.data import parquet_documents
-            docs = parquet_documents(path, text_field)
+        if path.suffix in (".jsonl", ".parquet"):  # JSON lines (text or chats), FineWeb's parquet
+            from scale import data as formats
+            docs = formats.jsonl_documents(path, text_field, tok) if path.suffix == ".jsonl" \
+                else formats.parquet_documents(path, text_field)
         else:
             docs = [(path.read_text(encoding="utf-8", errors="replace"), True)]
         for text, plain in docs:
@@ -464,19 +440,24 @@ def checked_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val
 # -----------------------------------------------------------------------------
 # The targets
 
-def storage_dtypes(vocab):
+def storage_dtypes(vocab, targets="topk"):
     ids = torch.uint16 if vocab <= 65536 else torch.int32
+    if targets == "sampled":
+        return {"input_ids": ids, "sample_ids": ids, "entropy": torch.float32}
     # fp16 log-probs: the KD loss moves by ~2e-5 relative (tests/test_cache_teacher.py)
     return {"input_ids": ids, "topk_ids": ids, "topk_logprobs": torch.float16,
             "entropy": torch.float32}
 
 
+
 @torch.no_grad()
-def teacher_targets(model, input_ids, vocab, topk, logit_chunk=0):
+def teacher_targets(model, input_ids, vocab, topk, logit_chunk=0, samples=0, generator=None):
     """input_ids (B, T) -> topk_ids, topk_logprobs (B, T, K) and entropy (B, T) from the model's own
-    logits, log-softmax in fp32 a slice of tokens at a time. logit_chunk > 0: the logits are made
-    from the last layer's output that many tokens at a time, never (B, T, V) at once (the scale
-    wing: a 152K vocabulary at 4096 tokens is 2.5 GB a sequence in fp32)."""
+    logits, log-softmax in fp32 a slice of tokens at a time. samples > 0: instead of the top-K,
+    sample_ids (B, T, samples), that many draws a position from the teacher's softmax (`generator`,
+    on the model's device). logit_chunk > 0: the logits are made from the last layer's output that many tokens at a time,
+    never (B, T, V) at once (the scale wing: a 152K vocabulary at 4096 tokens is 2.5 GB a sequence
+    in fp32)."""
     if logit_chunk:
         from scale.fused_loss import chunked_logits
         logits, (B, T) = chunked_logits(model, input_ids, logit_chunk), input_ids.shape
@@ -484,19 +465,34 @@ def teacher_targets(model, input_ids, vocab, topk, logit_chunk=0):
         logits = model(input_ids=input_ids, use_cache=False).logits
         B, T = logits.shape[:2]
         logits = logits.flatten(0, 1)
-    ids, logprobs, entropy = [], [], []
+    ids, logprobs, entropy = [], [], []  # (a sampled cache stores no log-probs)
     # 64-token slices on a CPU stay in cache (12.6 MB of fp32 at V = 49K); a GPU takes 4096
     for z in (logits if logit_chunk else [logits]):
         for z in z.split(64 if z.device.type == "cpu" else 4096):
             logp = F.log_softmax(z[:, :vocab].float(), dim=-1)  # padding rows past the tokenizer go
             # H_t = -sum_v p log p over the whole vocabulary (capped at ln K if taken from top-K)
             entropy.append(-torch.linalg.vecdot(logp.exp(), logp))
+            if samples:  # x_j ~ p_t, with replacement: an unbiased picture of p_t
+                ids.append(torch.multinomial(logp.exp(), samples, True, generator=generator))
+                continue
             values, indices = logp.topk(topk, dim=-1)
             logprobs.append(values)
             ids.append(indices)
+    if samples:
+        return {"sample_ids": torch.cat(ids).view(B, T, samples),
+                "entropy": torch.cat(entropy).view(B, T)}
     return {"topk_ids": torch.cat(ids).view(B, T, topk),
             "topk_logprobs": torch.cat(logprobs).view(B, T, topk),
             "entropy": torch.cat(entropy).view(B, T)}
+
+
+def shard_generator(identity, split_name, j, device):
+    """A sampled cache's draws for shard j, seeded by the cache and the shard: a shard recomputed
+    after a kill, or on another rank, draws the same tokens."""
+    if identity.get("targets") == "sampled":
+        key = f"{identity['sample_seed']}/{split_name}/{j}".encode()
+        seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
+        return torch.Generator(device).manual_seed(seed)
 
 
 class ShardWriter:
@@ -505,7 +501,7 @@ class ShardWriter:
 
     def __init__(self, identity):
         self.metadata = {"e3_identity": json.dumps(identity, sort_keys=True)}
-        self.dtypes = storage_dtypes(identity["vocab_size"])
+        self.dtypes = storage_dtypes(identity["vocab_size"], identity.get("targets", "topk"))
         self.delay = float(os.environ.get("E3_CACHE_SHARD_DELAY", 0))  # the kill-and-rerun test's
         self.queue, self.error = queue.Queue(maxsize=2), None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -540,14 +536,15 @@ class ShardWriter:
 def compute_shards(model, jobs, out, identity, batch_size, bar=None, logit_chunk=0):
     """Compute and save the shards `jobs`, ((split, j), input_ids (n, T)) pairs; returns the tokens
     done. Batches never straddle shards."""
-    vocab, topk = identity["vocab_size"], identity["topk"]
+    vocab, topk, samples = identity["vocab_size"], identity["topk"], identity.get("samples", 0)
     device = next(model.parameters()).device
     writer, tokens = ShardWriter(identity), 0
     try:
         for (split_name, j), seqs in jobs:
-            parts = []
+            parts, gen = [], shard_generator(identity, split_name, j, device)
             for batch in seqs.split(batch_size):
-                targets = teacher_targets(model, batch.to(device), vocab, topk, logit_chunk)
+                targets = teacher_targets(model, batch.to(device), vocab, topk, logit_chunk,
+                                          samples, gen)
                 parts.append({k: v.cpu() for k, v in targets.items()})
                 tokens += batch.numel()
                 if bar is not None:
@@ -604,9 +601,11 @@ def _shard_done(path, identity, input_ids):
 
 def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, seq_len=512,
                 max_tokens=None, val_frac=DEFAULT_VAL_FRAC, max_val_tokens=None, text_field="text",
-                batch_size=8, shard_seqs=64, device=None, shard_teacher=False, logit_chunk=0):
+                batch_size=8, shard_seqs=64, device=None, shard_teacher=False, logit_chunk=0,
+                targets="topk", samples=12, sample_seed=0):
     """Build (or finish) the teacher cache in `out` and return its path: nothing to do when the
-    same complete cache is there; E3Error when `out` holds another. Under torchrun every rank calls
+    same complete cache is there; E3Error when `out` holds another. targets: "topk" (K = topk, the
+    paper's) or "sampled" (`samples` draws a position, seeded by sample_seed). Under torchrun every rank calls
     it. shard_teacher: the teacher FSDP2-sharded over the ranks (scale/teacher.py), each rank still
     running its own batches; the cache is the same either way."""
     from transformers import AutoTokenizer
@@ -630,8 +629,11 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
         "format": FORMAT, "model": model_fingerprint(model_name),
         "tokenizer": tokenizer_fingerprint(tok), "vocab_size": vocab, "topk": topk,
         "seq_len": seq_len, "shard_seqs": shard_seqs,
-        "dtypes": {k: str(v).removeprefix("torch.") for k, v in storage_dtypes(vocab).items()},
+        "dtypes": {k: str(v).removeprefix("torch.")
+                   for k, v in storage_dtypes(vocab, targets).items()},
         "sequences": {s: len(b) for s, b in blocks.items()}, "tokens_sha256": hashes}
+    if targets == "sampled":  # (a top-K cache's identity is as it always was)
+        identity.update(topk=None, targets="sampled", samples=samples, sample_seed=sample_seed)
     if _complete(out, identity):
         print0(f"teacher cache '{out}' is complete; nothing to do")
         return str(out)
@@ -671,7 +673,8 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
         listing[s].append({"file": shard_name(s, j), "sequences": len(rows), "bytes": size,
                            "sha256": sha})
     if rank == 0:
-        meta = {**identity, "data": str(data or default_corpus()), "max_tokens": max_tokens,
+        meta = {"targets": "topk", **identity, "data": str(data or default_corpus()),
+                "max_tokens": max_tokens,
                 "val_frac": val_frac, "max_val_tokens": max_val_tokens,
                 "teacher_dtype": "bfloat16" if device.type == "cuda" else "float32",
                 "bytes_per_token": round(total_bytes / n_tokens, 2), "shards": listing}
@@ -695,8 +698,8 @@ class TeacherCache:
     length when given) and for intact shards (size and sha256, once; split over the ranks under
     torchrun). `get` memory-maps only the rows it is asked for."""
 
-    OUT_DTYPES = {"input_ids": torch.int64, "topk_ids": torch.int64,
-                  "topk_logprobs": torch.float32, "entropy": torch.float32}
+    OUT_DTYPES = {"input_ids": torch.int64, "topk_ids": torch.int64, "topk_logprobs": torch.float32,
+                  "sample_ids": torch.int64, "entropy": torch.float32}
 
     def __init__(self, path, tokenizer, seq_len=None, topk=None):
         self.path = Path(path)
@@ -706,6 +709,8 @@ class TeacherCache:
         self.meta = json.loads((self.path / "meta.json").read_text())
         self.seq_len, self.topk, self.vocab_size = (self.meta["seq_len"], self.meta["topk"],
                                                     self.meta["vocab_size"])
+        # the kind of targets (kd.TARGETS): "topk", or "sampled" with N = self.samples
+        self.targets, self.samples = self.meta.get("targets", "topk"), self.meta.get("samples")
         made = f"teacher cache '{path}' was made"
         if vocab_size(tokenizer) != self.vocab_size:
             raise E3Error(f"{made} with a vocabulary of {self.vocab_size} tokens, the student's "
@@ -714,7 +719,8 @@ class TeacherCache:
         if tokenizer_fingerprint(tokenizer) != self.meta["tokenizer"]:
             raise E3Error(f"{made} with another tokenizer ({self.meta['model']['model']}); "
                           f"rebuild it with cache_teacher.py --model <the student's model>")
-        for name, want, have in (("topk", topk, self.topk), ("seq-len", seq_len, self.seq_len)):
+        for name, want, have in (("topk", topk if self.targets == "topk" else None, self.topk),
+                                 ("seq-len", seq_len, self.seq_len)):
             if want is not None and want != have:
                 raise E3Error(f"{made} with --{name} {have}, not {want}; pass --{name} {have} or "
                               f"rebuild the cache with --{name} {want}")
@@ -740,16 +746,17 @@ class TeacherCache:
         return self.meta["sequences"][split_name]
 
     def get(self, indices, split_name="train"):
-        """Rows `indices` of a split, any order: input_ids (n,T) int64, topk_ids (n,T,K) int64,
-        topk_logprobs (n,T,K) fp32, entropy (n,T) fp32."""
+        """Rows `indices` of a split, any order: input_ids (n,T) int64, topk_ids (n,T,K) int64 and
+        topk_logprobs (n,T,K) fp32 (a sampled cache: sample_ids (n,T,N)), entropy (n,T) fp32, and
+        "targets", the kind (kd.TARGETS)."""
         indices = torch.as_tensor(indices, dtype=torch.long).reshape(-1).tolist()
-        n, T, K, S = len(indices), self.seq_len, self.topk, self.meta["shard_seqs"]
+        n, T, K, S = len(indices), self.seq_len, self.topk or self.samples, self.meta["shard_seqs"]
         if any(not 0 <= i < self.len_split(split_name) for i in indices):
             raise IndexError(f"sequence index out of range for the {self.len_split(split_name)} "
                              f"'{split_name}' sequences")
-        shapes = {"input_ids": (n, T), "topk_ids": (n, T, K), "topk_logprobs": (n, T, K),
-                  "entropy": (n, T)}
-        batch = {k: torch.empty(shapes[k], dtype=dtype) for k, dtype in self.OUT_DTYPES.items()}
+        stored = storage_dtypes(self.vocab_size, self.targets)
+        batch = {k: torch.empty((n, T, K) if k not in ("input_ids", "entropy") else (n, T),
+                                dtype=self.OUT_DTYPES[k]) for k in stored}
         rows_of = {}  # grouped by shard: each file opened once a call
         for pos, i in enumerate(indices):
             rows_of.setdefault(i // S, []).append((pos, i % S))
@@ -759,7 +766,7 @@ class TeacherCache:
                     stored = f.get_slice(k)  # lazy: only the sliced rows are read
                     for pos, r in rows:
                         batch[k][pos] = stored[r:r + 1][0]  # widens uint16/fp16 to int64/fp32
-        return batch
+        return {**batch, "targets": self.targets}
 
 
 # -----------------------------------------------------------------------------
@@ -772,7 +779,12 @@ def main():
                    "them (default: the packaged plays)")
     p.add_argument("--text-field", default="text", help="field (.jsonl) or column (.parquet) with "
                    "the text; a .jsonl line without it and with a 'messages' list is a chat")
+    p.add_argument("--targets", choices=["topk", "sampled"], default="topk",
+                   help="topk: the teacher's K most likely tokens (the paper); sampled: --samples "
+                        "draws from its softmax, an unbiased target (kd.py)")
     p.add_argument("--topk", type=int, default=10, help="K teacher tokens kept per position")
+    p.add_argument("--samples", type=int, default=12, help="draws per position (--targets sampled)")
+    p.add_argument("--sample-seed", type=int, default=0, help="the draws' seed (--targets sampled)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per packed sequence")
     p.add_argument("--max-tokens", type=int, default=None,
                    help=f"cap on training tokens (default: the whole split; {DEMO_TOKENS} for "
@@ -792,13 +804,14 @@ def main():
     args = p.parse_args()
     if args.model == "default" and args.max_tokens is None:
         args.max_tokens = DEMO_TOKENS  # a few minutes on a CPU, the budget of `python prune.py`
-    for name in ("topk", "seq_len", "batch_size", "shard_seqs"):
+    for name in ("topk", "samples", "seq_len", "batch_size", "shard_seqs"):
         if getattr(args, name) < 1:
             raise E3Error(f"--{name.replace('_', '-')} must be at least 1")
     _, _, device = init_distributed()
     build_cache(args.model, args.data, args.out, args.topk, args.seq_len, args.max_tokens,
                 args.val_frac, args.max_val_tokens, args.text_field, args.batch_size,
-                args.shard_seqs, device, args.shard_teacher, args.logit_chunk)
+                args.shard_seqs, device, args.shard_teacher, args.logit_chunk, args.targets,
+                args.samples, args.sample_seed)
 
 
 if __name__ == "__main__":

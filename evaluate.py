@@ -185,13 +185,16 @@ def next_token_logprobs(model, ids, vocab):
 
 
 @torch.no_grad()
-def quality(model, blocks, vocab, teacher=None, batch_size=1, topk=10):
-    """ppl of `model` on `blocks` [N, T] (N * (T-1) predictions); with a teacher also its ppl, the
-    mean KL(teacher || model), top-1 agreement and both models' mean mass outside the teacher's
-    `topk` most likely tokens, on the same predictions. Sums in float64."""
+def quality(model, blocks, vocab, teacher=None, batch_size=1, topk=10, ece_bins=15):
+    """ppl of `model` on `blocks` [N, T] (N * (T-1) predictions) and the expected calibration error
+    of its top-1 (`ece_bins` equal-width bins of confidence: sum_b n_b / N |accuracy_b -
+    confidence_b|); with a teacher also its ppl, the mean KL(teacher || model), top-1 agreement and
+    both models' mean mass outside the teacher's `topk` most likely tokens, on the same predictions.
+    Sums in float64."""
     dev = next(model.parameters()).device
     # NLL, teacher NLL, KL, agreements, model mass off the teacher's top-K, the teacher's own
     sums = torch.zeros(6, dtype=torch.float64)
+    bins = torch.zeros(2, ece_bins, dtype=torch.float64)  # per bin: summed confidence, hits
     for b in blocks.split(batch_size):
         b = b.to(dev)
         target = b[:, 1:].unsqueeze(-1)  # position t is scored on token t + 1
@@ -199,6 +202,12 @@ def quality(model, blocks, vocab, teacher=None, batch_size=1, topk=10):
         # .item() per batch keeps the running sums in float64 on the host: 10^5+ fp32 token terms
         # would drift in the 4th digit, which is where pruned models differ
         sums[0] -= logp.gather(-1, target).double().sum().item()
+        conf, top1 = logp.max(-1)
+        conf = conf.exp().double().flatten().cpu()
+        at = (conf * ece_bins).long().clamp(max=ece_bins - 1)  # each prediction's bin
+        bins[0] += torch.bincount(at, conf, minlength=ece_bins)
+        bins[1] += torch.bincount(at, (top1 == target[..., 0]).double().flatten().cpu(),
+                                  minlength=ece_bins)
         if teacher is not None:
             logq = next_token_logprobs(teacher, b, vocab)
             sums[1] -= logq.gather(-1, target).double().sum().item()
@@ -213,7 +222,7 @@ def quality(model, blocks, vocab, teacher=None, batch_size=1, topk=10):
             sums[5] += (1 - top_q.exp().sum(-1)).double().sum().item()
     n = blocks.shape[0] * (blocks.shape[1] - 1)
     out = {"tokens": n, "windows": blocks.shape[0], "seq_len": blocks.shape[1],
-           "ppl": math.exp(sums[0] / n)}
+           "ppl": math.exp(sums[0] / n), "ece": (bins[0] - bins[1]).abs().sum().item() / n}
     if teacher is not None:
         out.update(teacher_ppl=math.exp(sums[1] / n), kl=sums[2].item() / n,
                    top1=sums[3].item() / n, tail=sums[4].item() / n,

@@ -15,10 +15,21 @@ N counts the valid (non-padding) tokens. With K = V, L_token is the full KL(p_t 
 sum runs over the teacher's top K only: the loss has no term for the student's mass on the other
 V - K tokens, and its minimum, p_s,c = p_t,c / sum_K p_t, puts none there.
 
+Beyond the paper, targets without that bias (kd.TARGETS; each batch's "targets" names its kind):
+  tail     K + 1 classes: the top-K and the rest lumped, 1 - sum_K p_t against the student's own
+           mass off those K (prune.py --kd-tail, any top-K cache)
+  sampled  N draws a position x_j ~ p_t (cache_teacher.py --targets sampled): the KL from their
+           empirical distribution, whose gradient softmax(z_s) - (the draws' shares) is the full
+           KL's, softmax(z_s) - p_t, in expectation (Anshumann et al., "Sparse Logit Sampling",
+           arXiv 2503.16870)
+  full     the teacher's whole distribution, run beside the student (--kd-full, one process)
+AKD's weight H_t is the teacher's full-softmax entropy whichever targets (eq. 13).
+
 Under torchrun (or --logit-chunk) prune.py computes these losses with the LM head fused in, chunk by
 chunk over tokens (scale/fused_loss.py), and checks at its first call that it agrees with the
 function here: a loss the fused path does not implement is refused, never replaced by eq. 12.
 """
+import torch
 import torch.nn.functional as F
 
 
@@ -35,6 +46,51 @@ def token_kl(student_logits, topk_ids, topk_logprobs):
     logp_s = F.log_softmax(student_logits.float(), dim=-1).gather(-1, topk_ids)
     logp_t = topk_logprobs.float()
     return (logp_t.exp() * (logp_t - logp_s)).sum(-1)
+
+
+def tail_token_kl(student_logits, topk_ids, topk_logprobs):
+    """L_token over K + 1 classes: eq. 12's sum, plus r_t (log r_t - log r_s) for the V - K tokens
+    off the teacher's top-K lumped, r = 1 - the top-K's mass. The student's r_s is fp32's 1 - Q,
+    exact to ~1e-7 and stopped at 1e-7 (16 nats per unit of r_t): summing the V - K tokens
+    themselves would cost a second pass over the logits (10% of a training step)."""
+    logp_s = F.log_softmax(student_logits.float(), dim=-1).gather(-1, topk_ids)
+    logp_t = topk_logprobs.float()
+    rest_s = torch.log1p(-logp_s.exp().sum(-1).clamp(max=1 - 1e-7))
+    rest_t = (1 - logp_t.exp().sum(-1)).clamp(min=0)  # from the stored (rounded) top-K: >= 0
+    return (logp_t.exp() * (logp_t - logp_s)).sum(-1) + torch.xlogy(rest_t, rest_t) \
+        - rest_t * rest_s
+
+
+def sampled_token_kl(student_logits, sample_ids):
+    """L_token against the empirical distribution of N draws x_j: KL = 1/N sum_j (log(m_j / N) -
+    log p_s(x_j)), m_j how many of the N draws are x_j (a token drawn m times counts m times)."""
+    logp_s = F.log_softmax(student_logits.float(), dim=-1).gather(-1, sample_ids)
+    m = (sample_ids[..., :, None] == sample_ids[..., None, :]).sum(-1)
+    return ((m / sample_ids.shape[-1]).log() - logp_s).mean(-1)
+
+
+def full_token_kl(student_logits, teacher_logits):
+    """L_token over the whole vocabulary: KL(p_t || p_s) = sum_v p_t,v (log p_t,v - log p_s,v)."""
+    logp_t = F.log_softmax(teacher_logits.float(), dim=-1)
+    logp_s = F.log_softmax(student_logits.float(), dim=-1)
+    return (logp_t.exp() * (logp_t - logp_s)).sum(-1)
+
+
+# L_token of each kind of teacher targets: fn(student logits (B, T, V), batch) -> (B, T)
+TARGETS = {
+    "topk": lambda z, b: token_kl(z, b["topk_ids"], b["topk_logprobs"]),
+    "tail": lambda z, b: tail_token_kl(z, b["topk_ids"], b["topk_logprobs"]),
+    "sampled": lambda z, b: sampled_token_kl(z, b["sample_ids"]),
+    "full": lambda z, b: full_token_kl(z, b["teacher_logits"][..., :z.shape[-1]]),
+}
+
+
+def kd_loss(student_logits, batch, weighted):
+    """Eq. 12 (weighted False: kd) or eq. 13 (True: akd) over the batch's targets, a scalar."""
+    per_token = TARGETS[batch.get("targets", "topk")](student_logits, batch)
+    if weighted:
+        per_token = per_token * batch["entropy"].float()
+    return masked_mean(per_token, batch.get("mask"))
 
 
 def topk_kd_loss(student_logits, topk_ids, topk_logprobs, entropy=None, mask=None):
@@ -55,9 +111,7 @@ def next_token_loss(logits, input_ids, mask=None):
 
 # --loss NAME: a function of the student's logits (B, T, V) and a batch of the teacher cache
 LOSSES = {
-    "akd": lambda logits, b: topk_kd_loss(logits, b["topk_ids"], b["topk_logprobs"],
-                                          b["entropy"], b.get("mask")),
-    "kd": lambda logits, b: topk_kd_loss(logits, b["topk_ids"], b["topk_logprobs"],
-                                         mask=b.get("mask")),
+    "akd": lambda logits, b: kd_loss(logits, b, weighted=True),
+    "kd": lambda logits, b: kd_loss(logits, b, weighted=False),
     "sft": lambda logits, b: next_token_loss(logits, b["input_ids"], b.get("mask")),
 }

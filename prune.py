@@ -42,9 +42,8 @@ from cache_teacher import (TEACHER_CACHE_DIR, E3Error, HelpFormatter, TeacherCac
                            resolve_model, run_main, vocab_size)
 from sampler import gumbel_noise, gumbel_topk, k_schedule, score_lr_schedule, tau_schedule
 from scale.checkpoint import Run
-from surgery import (LayerGates, LayerSearch, add_lora, check_removable, decoder_layers,
-                     export_pruned, keep_mask, kl_importance, merge_lora, protected_layers,
-                     remove_layers, serving_notes)
+from surgery import (LayerGates, LayerSearch, check_removable, decoder_layers, export_pruned,
+                     keep_mask, kl_importance, protected_layers, remove_layers, serving_notes)
 
 # -----------------------------------------------------------------------------
 # Settings: the paper's (Appendix E, Llama-2-7B's column) are every flag's default. "T/20" is a
@@ -140,6 +139,12 @@ def parse_args(argv=None):
     g.add_argument("--seq-len", type=int, help=f"tokens per sequence (default: a given --cache's, "
                    f"else {PAPER['seq_len']})")
     g.add_argument("--topk", type=int, default=PAPER["topk"], help="teacher top-K of a new cache")
+    g.add_argument("--targets", choices=["topk", "sampled"], default="topk", help="a new cache's: "
+                   "the top-K (the paper) or --samples draws from the teacher (kd.py)")
+    g.add_argument("--samples", type=int, default=12, help="draws a position (--targets sampled)")
+    g.add_argument("--kd-tail", action="store_true", help="KD over the top-K + the rest (kd.py)")
+    g.add_argument("--kd-full", action="store_true", help="KD over the whole vocabulary, the "
+                   "teacher run beside the student (one process; the reference)")
     g.add_argument("--lr", type=float, default=PAPER["lr"], help="peak AdamW lr")
     g.add_argument("--warmup", type=steps_or_fraction, default=PAPER["warmup"],
                    help="linear warm-up steps (or T/n), then cosine to lr/10")
@@ -198,6 +203,7 @@ def build_student(args, device, world, kept=None):
     if kept is not None:
         remove_layers(model, kept)
     if args.lora_rank:  # before sharding: FSDP shards the adapters with their layers
+        from scale.lora import add_lora
         add_lora(model, args.lora_rank, args.lora_alpha, args.seed)
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -282,7 +288,21 @@ def validate(model, cache, losses, args):
 
 
 def to_device(batch, device):
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v
+            for k, v in batch.items()}
+
+
+def training_batch(source, rows, args, teacher=None):
+    """Cache rows with the targets the loss uses (kd.TARGETS): the cache's own, top-K + the rest
+    (--kd-tail), or the teacher's logits (--kd-full). Validation keeps the cache's own."""
+    batch = to_device(source.get(rows), args.device)
+    if args.kd_tail:
+        batch["targets"] = "tail"
+    if teacher is not None:
+        with torch.no_grad():
+            batch["teacher_logits"] = teacher(input_ids=batch["input_ids"], use_cache=False).logits
+        batch["targets"] = "full"
+    return batch
 
 
 # -----------------------------------------------------------------------------
@@ -407,10 +427,13 @@ def build_teacher_cache(args, tok, data=None, tokens=None):
         return None
     ident = {**model_fingerprint(args.model), "seq_len": args.seq_len, "topk": args.topk,
              "data": str(Path(data).resolve()) if data else "packaged", "tokens": tokens}
+    if args.targets == "sampled":
+        ident.update(targets="sampled", samples=args.samples)
     path = TEACHER_CACHE_DIR / hashlib.sha256(json.dumps(ident, sort_keys=True).encode()
                                               ).hexdigest()[:16]
     build_cache(args.model, data, path, topk=args.topk, seq_len=args.seq_len, max_tokens=tokens,
-                text_field=args.text_field, logit_chunk=args.logit_chunk or 0)
+                text_field=args.text_field, logit_chunk=args.logit_chunk or 0,
+                targets=args.targets, samples=args.samples)
     return TeacherCache(path, tok, seq_len=args.seq_len, topk=args.topk)
 
 
@@ -470,6 +493,9 @@ def settle(args, L, world):
     if args.logit_chunk < 0:
         raise E3Error(f"--logit-chunk must be 0 (the plain logits) or a number of tokens; got "
                       f"{args.logit_chunk}")
+    if args.kd_tail and args.targets != "topk" or args.kd_full and (world > 1 or args.logit_chunk):
+        raise E3Error("--kd-tail needs a top-K cache (not sampled targets); --kd-full runs in one "
+                      "process on the plain logits path (--logit-chunk 0): the teacher beside it")
     protected = protected_layers(L, args.protect_first, args.protect_last)
     check_keep(args, L, protected)
     in_loop = search_class(args.search).in_loop and args.steps
@@ -483,12 +509,16 @@ def print_plan(args):
     with torch.device("meta"):  # shapes only: no weights, no tokenizer
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
     if args.lora_rank:
+        from scale.lora import add_lora
         add_lora(model, args.lora_rank, args.lora_alpha, args.seed)
     L = len(decoder_layers(model))
     settle(args, L, args.plan)
     vocab = model.config.get_text_config().vocab_size
-    # a cache token: 1 + K ids (uint16 or int32), K fp16 log-probs, one fp32 entropy
-    per_token = (2 if vocab <= 65536 else 4) * (1 + args.topk) + 2 * args.topk + 4
+    # a cache token: 1 + K ids (uint16 or int32), K fp16 log-probs, one fp32 entropy; sampled: 1 + N
+    # ids and the entropy
+    sampled = args.targets == "sampled"
+    K = args.samples if sampled else args.topk
+    per_token = (2 if vocab <= 65536 else 4) * (1 + K) + (0 if sampled else 2 * K) + 4
     print(plan_line(args, args.plan, model, L, cache_bytes=per_token * args.steps
                     * args.batch_size * args.seq_len))
 
@@ -507,8 +537,9 @@ def main(argv=None):
     shape, tok = load_model(args.model, weights=False)  # the config alone: check every input first
     L = len(decoder_layers(shape))
     cache = TeacherCache(args.cache, tok, seq_len=args.seq_len) if args.cache else None
-    if cache:  # a given cache fixes seq-len and K
-        args.seq_len, args.topk = cache.seq_len, cache.topk
+    if cache:  # a given cache fixes seq-len and its targets
+        args.seq_len, args.topk, args.targets = cache.seq_len, cache.topk, cache.targets
+        args.samples = cache.samples or args.samples
     protected = settle(args, L, world)
     if args.device.type == "cpu" and (world > 1 or args.logit_chunk):  # the scale wing on a CPU:
         from scale.fsdp import release_freed_memory  # freed tensors go back to the OS
@@ -535,6 +566,10 @@ def main(argv=None):
     run.create()
     resumed = run.latest()  # None, or the small state of the newest checkpoint
     model, _ = build_student(args, args.device, world, kept=resumed and resumed["kept"])
+    teacher = None  # --kd-full: the model that made the cache, frozen, in eval mode
+    if args.kd_full and cache:
+        teacher = load_model(cache.meta["model"]["model"], args.device)[0]
+        teacher.eval().requires_grad_(False)
     opt = make_optimizer(model, args)
     vocab = cache.vocab_size if cache else vocab_size(tok)
     losses = plain_losses(vocab, autocast=args.device.type == "cuda" and world == 1)
@@ -605,8 +640,8 @@ def main(argv=None):
                 # Alg. 1 l.4: M = Gumbel-TopK(S, tau, k'), rebuilt for each micro-batch (each
                 # backward frees its graph from S to M~); j: its place in the global batch
                 gates.mask = search.sample_mask(rank * n_micro + m)
-            batch = to_device(source.get(idx[m * args.micro_batch:(m + 1) * args.micro_batch]),
-                              args.device)
+            batch = training_batch(source, idx[m * args.micro_batch:(m + 1) * args.micro_batch],
+                                   args, teacher)
             (loss,) = losses(model, batch, [kind])
             # the objective is a MEAN over the global batch: each micro-batch's mean / n_micro here,
             # the mean over the ranks by FSDP's reduce-scatter
@@ -672,7 +707,9 @@ def main(argv=None):
     else:
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if rank == 0:
-        state = merge_lora(state, args.lora_alpha / args.lora_rank) if args.lora_rank else state
+        if args.lora_rank:  # the adapters folded into plain weights
+            from scale.lora import merge_lora
+            state = merge_lora(state, args.lora_alpha / args.lora_rank)
         export_pruned(args.model, state, kept, L, tok, Path(args.out) / "model", info)
     summary = {"kept_layers": kept, "layers": f"{L} -> {len(kept)}",
                "tokens_trained": T * tokens_per_step, **search.summary(),

@@ -65,8 +65,9 @@ def fitness(model, batches, kept, losses):
 
         F(G) = 1/N sum_i sum_{c in top-K(i)} p_t,c (log p_t,c - log p_G,c),
 
-    p_G the model running only the layers G = `kept`; lower is better. batches: dicts of input_ids
-    (B,T), topk_ids and topk_logprobs (B,T,K) and mask (B,T) bool (False: not counted); losses:
+    p_G the model running only the layers G = `kept`; lower is better (over a sampled cache: the KL
+    from its draws). batches: dicts of input_ids (B,T), the cache's targets (topk_ids and
+    topk_logprobs (B,T,K), or its samples) and mask (B,T) bool (False: not counted); losses:
     prune.py's (kd.py's plain loss, or the fused head's), kind "kd". In eval mode: a layer set
     scores the same every time. Under torchrun every rank scores the same tokens."""
     dev = next(model.parameters()).device
@@ -76,7 +77,8 @@ def fitness(model, batches, kept, losses):
         with only_layers(model, kept):
             for b in batches:
                 n = int(b["mask"].sum())
-                (kl,) = losses(model, {key: v.to(dev) for key, v in b.items()}, ["kd"])
+                (kl,) = losses(model, {key: v.to(dev) if torch.is_tensor(v) else v
+                                       for key, v in b.items()}, ["kd"])
                 total, count = total + kl.double().item() * n, count + n  # the mean, times n
     finally:
         model.train(training)  # prune.py trains the model right after
@@ -99,8 +101,9 @@ def first_tokens(cache, n_tokens, micro_batch=4):
         rows = cache.get(list(range(a, a + len(part))))
         width = max(part)  # a prefix runs only as far as it goes
         mask = torch.arange(width)[None, :] < torch.tensor(part)[:, None]
-        keys = ("input_ids", "topk_ids", "topk_logprobs")
-        batches.append({**{key: rows[key][:, :width] for key in keys}, "mask": mask})
+        batches.append({**{key: v[:, :width] for key, v in rows.items()
+                           if torch.is_tensor(v) and key != "entropy"},
+                        "targets": rows.get("targets", "topk"), "mask": mask})
     return batches
 
 

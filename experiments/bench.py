@@ -3,7 +3,7 @@ Benchmarks with a goal each (issue: "performance targets go in benchmarks, never
 tests"). Every benchmark times two things side by side in one run, alternating, after a warm-up
 round, and prints one line `name: ratio (goal ...)` with the median of the per-round ratios.
 
-    python experiments/bench.py               # all seven on the packaged SmolLM2-135M (minutes)
+    python experiments/bench.py               # all nine on the packaged SmolLM2-135M (minutes)
     python experiments/bench.py search init   # some, by name
     python experiments/bench.py search --repeats 15   # more paired rounds
 
@@ -16,6 +16,8 @@ round, and prints one line `name: ratio (goal ...)` with the median of the per-r
     init      KL importance with prefix reuse / the naive L+1 full forwards
     speedup   the exported k-layer model's prefill and decode speedup / the matmul-FLOP ideal
     fused     a training step with the LM head and the loss fused, chunked / the plain logits path
+    targets   a training step with top-K + tail, and with sampled targets (N = 12) / the top-K step
+    sampling  a sampled cache's build throughput (N = 12) / a top-K cache's
 
 Every step is prune.py's own: its losses (prune.plain_losses, scale.fused_loss.FusedLoss), its
 optimizer, its search and cut; nothing here reaches into a function's insides.
@@ -33,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts live
 import evaluate  # noqa: E402
 import prune  # noqa: E402
 from cache_teacher import (E3Error, compute_shards, corpus_blocks, default_model,  # noqa: E402
-                           load_model, run_main, vocab_size)
+                           load_model, run_main, teacher_targets, vocab_size)
 from scale.fused_loss import FusedLoss  # noqa: E402
 from surgery import (LayerGates, LayerSearch, decoder_layers, export_pruned,  # noqa: E402
                      kl_importance, remove_layers)
@@ -100,10 +102,10 @@ def _kd_batch(teacher, tok, seq_len, batch, topk=10):
     return {"input_ids": ids, "topk_ids": top_ids, "topk_logprobs": top_lp, "entropy": entropy}
 
 
-def _train_step(model, opt, batch, vocab, device, losses=None):
+def _train_step(model, opt, batch, vocab, device, losses=None, kind="akd"):
     # prune.py's own loss (bf16 autocast on a GPU), so that the step is the real one
     losses = losses or prune.plain_losses(vocab, autocast=device.type == "cuda")
-    (loss,) = losses(model, batch, ["akd"])
+    (loss,) = losses(model, batch, [kind])
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -220,15 +222,20 @@ def bench_offline(seq_len=128, batch=4, repeats=5):
            f"{batch}x{seq_len} tokens")
 
 
-def bench_caching(seq_len=256, batch_size=4, shards=2, shard_seqs=4, topk=10, repeats=5):
-    """4. Caching must not be slower than the teacher forward it wraps: top-K, entropy and writing
-    overlap."""
+def _teacher_and_shards(seq_len, shards, shard_seqs):
+    """The teacher in eval mode (bf16 on a GPU) and `shards` shards of corpus blocks to cache."""
     device = _device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, tok = load_model(None, device, dtype)
-    model.eval()
     blocks = _corpus_blocks(tok, seq_len, shards * shard_seqs)
     jobs = {("train", j): blocks[j * shard_seqs:(j + 1) * shard_seqs] for j in range(shards)}
+    return model.eval(), tok, blocks, jobs, device
+
+
+def bench_caching(seq_len=256, batch_size=4, shards=2, shard_seqs=4, topk=10, repeats=5):
+    """4. Caching must not be slower than the teacher forward it wraps: top-K, entropy and writing
+    overlap."""
+    model, tok, blocks, jobs, device = _teacher_and_shards(seq_len, shards, shard_seqs)
     identity = {"vocab_size": vocab_size(tok), "topk": topk}
     size = {}
 
@@ -341,9 +348,53 @@ def bench_fused(seq_len=512, batch=1, repeats=5, chunk=256):
            f"chunks of {chunk} tokens, V = {vocab}")
 
 
+def bench_targets(seq_len=128, batch=4, repeats=5, samples=12):
+    """8. The targets beside the paper's top-K (kd.TARGETS) must cost a KD step next to nothing:
+    top-K + tail (one more log-sum-exp over the logits) and sampled (N ids instead of K), each a
+    training step of prune.py's plain path against the top-K step, alternating."""
+    device = _device()
+    model, tok = _trainable(device=device)
+    vocab = vocab_size(tok)
+    topk = {**_kd_batch(model, tok, seq_len, batch), "targets": "topk"}
+    sampled = {"input_ids": topk["input_ids"], "targets": "sampled",
+               **teacher_targets(model.eval(), topk["input_ids"], vocab, 10, samples=samples,
+                                 generator=torch.Generator(device).manual_seed(0))}
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    for name, other in (("tail", {**topk, "targets": "tail"}), (f"sampled{samples}", sampled)):
+        t_o, t_k, ratios = side_by_side(lambda: _train_step(model, opt, other, vocab, device),
+                                        lambda: _train_step(model, opt, topk, vocab, device),
+                                        repeats, device)
+        report(f"targets-{name}", ratios, "<= 1.05", "x the top-K AKD step",
+               f"{t_o * 1e3:.0f} vs {t_k * 1e3:.0f} ms; {batch}x{seq_len} tokens, {device}")
+
+
+def bench_sampling(seq_len=256, batch_size=4, shards=2, shard_seqs=4, samples=12, repeats=5):
+    """9. A sampled cache (N draws a position from the full softmax) against a top-K cache: the
+    same forwards, then a multinomial draw instead of a top-K, both written as cache_teacher.py
+    writes them."""
+    model, tok, blocks, jobs, device = _teacher_and_shards(seq_len, shards, shard_seqs)
+    vocab, size = vocab_size(tok), {}
+    kinds = {"topk": {"vocab_size": vocab, "topk": 10},
+             "sampled": {"vocab_size": vocab, "topk": None, "targets": "sampled",
+                         "samples": samples, "sample_seed": 0}}
+
+    def build(kind):
+        with tempfile.TemporaryDirectory() as out:
+            compute_shards(model, jobs.items(), out, kinds[kind], batch_size)
+            size[kind] = sum(f.stat().st_size for f in Path(out).iterdir())
+
+    t_s, t_k, ratio = side_by_side(lambda: build("sampled"), lambda: build("topk"), repeats, device)
+    n = blocks.numel()
+    report("sampling", [1 / r for r in ratio], ">= 0.9", "of a top-K cache's throughput",
+           f"{n / t_s:.0f} vs {n / t_k:.0f} tok/s; {size['sampled'] / n:.1f} vs "
+           f"{size['topk'] / n:.1f} bytes/token (N = {samples}, K = 10); "
+           f"{shards * shard_seqs}x{seq_len} tokens")
+
+
 BENCHES = {"search": bench_search, "finetune": bench_finetune, "offline": bench_offline,
            "caching": bench_caching, "init": bench_init, "speedup": bench_speedup,
-           "fused": bench_fused}
+           "fused": bench_fused, "targets": bench_targets, "sampling": bench_sampling}
 
 
 def main():

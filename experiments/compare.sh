@@ -11,6 +11,7 @@
 #   bash experiments/compare.sh series     # every method over seeds 0-4, scored on three corpora
 #   bash experiments/compare.sh variants   # the search's variants (ablation flags), seed 0, as series
 #   bash experiments/compare.sh budget4x   # E3 and KL one-shot at 4x the tokens, seeds 0-2, as series
+#   bash experiments/compare.sh targets    # the teacher targets on KL one-shot's layers, seeds 0-2 (X4=1: 4x)
 #   bash experiments/compare.sh table      # the series' table from experiments/results/
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +29,7 @@ P="--model $M --seq-len 128 --batch-size 8 --micro-batch 4 --tokens 81920 --warm
 # tokens), and the random control at the same forward-token budget.
 E="--evo-generations 8 --evo-offspring 16 --evo-stages 128:2,4096:1"
 D=$R/domains  # the other domains' held-out text and the mixed calibration text (experiments/domains.py)
+KL=0,1,2,3,4,5,6,7,8,9,10,11,20,21,22,23,24,27,28,29  # KL one-shot's 20 layers (every seed's)
 declare -A METHOD=(
   [shortgpt]="--init bi --search none --steps 0"
   [minitron]="--init bi --search none --loss kd"
@@ -52,6 +54,19 @@ declare -A METHOD=(
   [e3-search-mix]="--loss akd --search-data $D/search-mix.jsonl"
   [e3-mix]="--loss akd --calib-data $D/calib-mix.jsonl --search-data $D/search-mix.jsonl"
   [evo-mix]="$E --search evo --loss akd --calib-data $D/calib-mix.jsonl --search-data $D/search-mix.jsonl"
+  # The teacher targets (kd.py), each a fine-tune of KL one-shot's layer set (the same for every seed:
+  # the KL scores do not depend on it) so that only the loss differs; top-K AKD on it is kl-oneshot
+  [topk-kd]="--layers $KL --loss kd"
+  [topk-akd]="--layers $KL --loss akd"
+  [tail-kd]="--layers $KL --loss kd --kd-tail"
+  [tail-akd]="--layers $KL --loss akd --kd-tail"
+  [sampled8-kd]="--layers $KL --loss kd --targets sampled --samples 8"
+  [sampled12-kd]="--layers $KL --loss kd --targets sampled --samples 12"
+  [sampled24-kd]="--layers $KL --loss kd --targets sampled --samples 24"
+  [sampled8-akd]="--layers $KL --loss akd --targets sampled --samples 8"
+  [sampled12-akd]="--layers $KL --loss akd --targets sampled --samples 12"
+  [sampled24-akd]="--layers $KL --loss akd --targets sampled --samples 24"
+  [full-kd]="--layers $KL --loss kd --kd-full"
 )
 if [ "${1:-main}" = main ]; then
   for m in shortgpt minitron sheared kl-oneshot e3-kd e3-akd; do run $m $P ${METHOD[$m]}; done
@@ -73,7 +88,7 @@ elif [ "$1" = seeds ]; then
   done
   python evaluate.py --model $R/kl-oneshot-seed1 $R/kl-oneshot-seed2 $R/e3-kd-seed1 $R/e3-kd-seed2 \
     $R/e3-akd-seed1 $R/e3-akd-seed2 --no-speed --no-figures --seq-len 128 --max-tokens 16384 --out $R/seeds
-elif [ "$1" = series ] || [ "$1" = variants ] || [ "$1" = budget4x ] || [ "$1" = table ]; then
+elif [ "$1" = series ] || [ "$1" = variants ] || [ "$1" = budget4x ] || [ "$1" = targets ] || [ "$1" = table ]; then
   # Every method over seeds 0-4 (SEEDS), scored on the held-out end of the training corpus and on two
   # other domains (experiments/domains.py: the Python reference manual, torch's nn/modules source).
   # The seed sets the data order and every random draw (Gumbel noise, mutations, random subsets);
@@ -86,7 +101,7 @@ elif [ "$1" = series ] || [ "$1" = variants ] || [ "$1" = budget4x ] || [ "$1" =
   [ -f $D/search-mix.jsonl ] || python experiments/domains.py $D > /dev/null
   # budget4x: 320 steps (327,680 tokens, a 32-step search), its own teacher cache; names end in -4x;
   # a checkpoint every 40 steps (an hour's run on one thread: a stopped machine loses 40 steps at most)
-  X=""; [ "$1" = budget4x ] && { X=-4x; P=${P/--tokens 81920/--tokens 327680}; P=${P/--ckpt-every 1000/--ckpt-every 40}; }
+  X=""; { [ "$1" = budget4x ] || [ -n "${X4:-}" ]; } && { X=-4x; P=${P/--tokens 81920/--tokens 327680}; P=${P/--ckpt-every 1000/--ckpt-every 40}; }
   series_run() {  # METHOD SEED: train, score on the three corpora, record
     local m=$1 s=$2 name=$1$X-s$2; local out=experiments/results/$name.json
     [ -f "$out" ] && return
@@ -109,6 +124,8 @@ print({c: round(v['ppl'], 2) for c, v in r['corpora'].items()})" $out)"
   elif [ "$1" = variants ]; then SEEDS=${SEEDS:-0} add e3-mix e3-search-mix evo-mix e3-masks2 \
     e3-masks8 e3-scale4 e3-lr-linear e3-search-kd e3-calib-mix kl-calib-mix
   elif [ "$1" = budget4x ]; then SEEDS=${SEEDS:-0 1 2} add kl-oneshot e3-akd
+  elif [ "$1" = targets ]; then SEEDS=${SEEDS:-0 1 2} add topk-kd sampled12-kd full-kd tail-kd \
+    topk-akd sampled12-akd tail-akd sampled8-kd sampled24-kd sampled8-akd sampled24-akd
   else
     add kl-oneshot e3-akd; add evo random; add minitron e3-kd sheared
     # ShortGPT trains nothing, so it cannot be the run that builds the cache

@@ -5,6 +5,7 @@ and goes on, later and elsewhere, where it stopped; and the tables made from the
 
   python experiments/seeds.py record RUN_DIR METHOD SEED OUT.json EVAL.json [EVAL.json ...]
   python experiments/seeds.py table [RESULTS_DIR]        # markdown: mean +- sd, min-max, paired
+  python experiments/seeds.py targets [RESULTS_DIR]      # the teacher targets' table (compare.sh targets)
 
 Statistics, per method and held-out corpus, over the seeds that finished:
   mean +- sd   the sample standard deviation (n - 1); a method with one run shows its value alone
@@ -27,7 +28,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # the order of the table; a method not run yet is left out
 METHODS = ["shortgpt", "minitron", "sheared", "kl-oneshot", "random", "evo", "e3-kd", "e3-akd",
            "e3-masks2", "e3-masks8", "e3-scale4", "e3-lr-linear", "e3-search-kd", "e3-calib-mix",
-           "kl-calib-mix", "kl-oneshot-4x", "e3-akd-4x"]
+           "kl-calib-mix", "kl-oneshot-4x", "e3-akd-4x",
+           "topk-kd", "topk-akd", "tail-kd", "tail-akd", "sampled8-kd", "sampled12-kd", "sampled24-kd",
+           "sampled8-akd", "sampled12-akd", "sampled24-akd", "full-kd"]
 LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitron-style (BI + KD)",
           "sheared": "Sheared-style (L0 + KD)", "kl-oneshot": "KL one-shot + AKD",
           "random": "random search + AKD", "evo": "evolutionary search + AKD",
@@ -40,7 +43,13 @@ LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitr
           "e3-search-mix": "E3 (AKD), search on mixed-domain text",
           "e3-mix": "E3 (AKD), mixed-domain calibration and search",
           "evo-mix": "evolutionary search + AKD, mixed-domain calibration and fitness",
-          "kl-oneshot-4x": "KL one-shot + AKD, 4x tokens", "e3-akd-4x": "E3 (AKD), 4x tokens"}
+          "kl-oneshot-4x": "KL one-shot + AKD, 4x tokens", "e3-akd-4x": "E3 (AKD), 4x tokens",
+          # the teacher targets, each on KL one-shot's layers (kl-oneshot = top-K AKD there)
+          **{f"{t}-{loss}": f"{name} {loss.upper()} (KL one-shot's layers)"
+             for t, name in (("topk", "top-10"), ("tail", "top-10 + tail"),
+                             ("sampled8", "sampled N = 8"), ("sampled12", "sampled N = 12"),
+                             ("sampled24", "sampled N = 24"), ("full", "full-vocabulary"))
+             for loss in ("kd", "akd")}}
 PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot"),
          ("e3-akd", "evo"), ("e3-calib-mix", "kl-calib-mix"),
          ("e3-mix", "kl-calib-mix"), ("e3-mix", "kl-oneshot"), ("evo-mix", "kl-calib-mix"),
@@ -50,7 +59,10 @@ PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot
          # the paper's AKD against plain KD, the same search and seeds
          ("e3-akd", "e3-kd"), ("e3-akd-4x", "kl-oneshot-4x"),
          # what 4x the tokens (and a 32-step search) buys each method, seed by seed
-         ("e3-akd-4x", "e3-akd"), ("kl-oneshot-4x", "kl-oneshot")]
+         ("e3-akd-4x", "e3-akd"), ("kl-oneshot-4x", "kl-oneshot"),
+         # each sparse target against the full-vocabulary reference, on the same layers and seeds
+         ("topk-kd", "full-kd"), ("tail-kd", "full-kd"), ("sampled12-kd", "full-kd"),
+         ("kl-oneshot", "full-kd"), ("tail-akd", "full-kd"), ("sampled12-akd", "full-kd")]
 
 
 def record(run_dir, method, seed, out, *evals):
@@ -70,7 +82,8 @@ def record(run_dir, method, seed, out, *evals):
         rep = json.loads(Path(path).read_text())
         corpus = Path(path).stem.split("eval-", 1)[-1]
         q = rep["rows"][0]["quality"]
-        keys = ("ppl", "kl", "top1", "teacher_ppl", "tokens", "tail", "teacher_tail", "tail_k")
+        keys = ("ppl", "kl", "top1", "teacher_ppl", "tokens", "tail", "teacher_tail", "tail_k",
+                "ece")
         res["corpora"][corpus] = {k: q[k] for k in keys if k in q}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(res, indent=1) + "\n")
@@ -159,9 +172,40 @@ def table(results_dir=RESULTS):
     return "\n".join(lines)
 
 
+TARGETS = ["full-kd", "topk-kd", "topk-akd", "tail-kd", "tail-akd", "sampled8-kd", "sampled12-kd",
+           "sampled24-kd", "sampled8-akd", "sampled12-akd", "sampled24-akd"]
+
+
+def targets_table(results_dir=RESULTS, budget=""):
+    """The teacher targets on KL one-shot's layers (compare.sh targets; budget "-4x" for X4=1): per
+    held-out corpus the full-vocabulary KL to the teacher (and its ratio to full KD's, the issue's
+    goal: within 2%), perplexity, top-1 agreement, the student's mass off the teacher's top-10 (the
+    teacher's own beside it) and the top-1's expected calibration error; mean over the seeds."""
+    by = load(results_dir)
+    rows = [m + budget for m in TARGETS if m + budget in by]
+    ref = by.get("full-kd" + budget, {})
+    lines = []
+    for c in ("shakespeare", "python-docs", "torch-code"):
+        lines += [f"{c}:", "", "| targets | seeds | KL | KL / full KD's | ppl | top-1 | mass off top-10 "
+                  "| ECE |", "|---|---|---|---|---|---|---|---|"]
+        for m in rows:
+            runs = [by[m][s]["corpora"][c] for s in sorted(by[m]) if c in by[m][s]["corpora"]]
+            mean = lambda k: statistics.mean(r[k] for r in runs) if all(k in r for r in runs) else math.nan  # noqa: E731
+            seeds = [s for s in sorted(by[m]) if s in ref and c in ref[s]["corpora"]]
+            ratio = statistics.mean(by[m][s]["corpora"][c]["kl"] / ref[s]["corpora"][c]["kl"]
+                                    for s in seeds) if seeds else math.nan
+            lines.append(f"| {LABELS.get(m, m)} | {','.join(map(str, sorted(by[m])))} | "
+                         f"{mean('kl'):.4f} | {ratio:.3f} | {mean('ppl'):.2f} | {mean('top1'):.4f} | "
+                         f"{mean('tail'):.3f} ({mean('teacher_tail'):.3f}) | {mean('ece'):.4f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     cmd, *rest = sys.argv[1:] or ["table"]
     if cmd == "record":
         print(json.dumps(record(*rest), indent=1))
+    elif cmd == "targets":  # python experiments/seeds.py targets [RESULTS_DIR [-4x]]
+        print(targets_table(*rest))
     else:
         print(table(*rest))

@@ -22,15 +22,21 @@ from cache_teacher import E3Error
 from scale.vocab_parallel import VocabShard
 from surgery import decoder_layers, hidden_out
 
-def _chunk_losses(h, weight, bias, post, ids, logprobs, w, rows, need_grad):
+def _chunk_losses(h, weight, bias, post, ids, logprobs, w, rows, need_grad, tail=False):
     """For one chunk of n tokens: L_token(i) (n,) with z = post(W h + b), and, when need_grad,
     dL/dz_lin for sum_i w_i L_token(i) (z_lin = W h + b: this process's rows, the head's dtype).
-    With log p_s = z - lse(z) and P_i = sum_k p_t,c_k (the teacher's top-K mass):
+    With log p_s = z - lse(z), s = softmax(z) and P_i = sum_k p_t,c_k (the teacher's top-K mass):
 
-        dL_token(i)/dz_v = P_i softmax(z_i)_v - p_t,v [v in top-K]
+        dL_token(i)/dz_v = P_i s_v - p_t,v [v in top-K]
 
     the student's softmax scaled to the mass the teacher put on the top-K, minus that mass where
-    it lies. Softmax and lse in fp32; post's derivative by autograd (elementwise, local)."""
+    it lies. Sampled targets are the same sum with p_t the draws' shares (log 0 = -inf on unused
+    slots: 0 log 0 = 0). tail: K + 1 classes, + r_t (log r_t - log r_s) with the teacher's rest
+    r_t = 1 - P_i and the student's r_s = 1 - Q_i, Q_i = sum_k s_c_k; with c_i = r_t / r_s it adds
+
+        c_i (s_v [v in top-K] - Q_i s_v).
+
+    Softmax and lse in fp32; post's derivative by autograd (elementwise, local)."""
     R = weight.shape[0]
     z_lin = F.linear(h, weight, bias)  # (n, R): the logits of this process's rows
     with torch.set_grad_enabled(need_grad):
@@ -47,18 +53,28 @@ def _chunk_losses(h, weight, bias, post, ids, logprobs, w, rows, need_grad):
     local = local.clamp(0, max(R - 1, 0))
     z_top = rows.sum(z.gather(-1, local) * here if R else z.new_zeros(ids.shape))
     p_t = logprobs.exp()
-    losses = (p_t * (logprobs - (z_top - lse[:, None]))).sum(-1)  # L_token(i), eq. 12
+    losses = (torch.xlogy(p_t, p_t) - p_t * (z_top - lse[:, None])).sum(-1)  # L_token(i), eq. 12
+    scale, top = p_t.sum(-1), -p_t  # dL/dz: P_i s, and at the top-K ids - p_t
+    if tail:  # as kd.tail_token_kl: r_s = 1 - Q to fp32's ~1e-7, stopped there (its gradient too)
+        s_top = torch.exp(z_top - lse[:, None])
+        Q = s_top.sum(-1)
+        open_ = Q < 1 - 1e-7
+        rest_t = (1 - scale).clamp(min=0)
+        losses = losses + torch.xlogy(rest_t, rest_t) - rest_t * torch.log1p(-Q.clamp(max=1 - 1e-7))
+        c = rest_t / (1 - Q).clamp(min=1e-7) * open_
+        scale, top = scale - c * Q, top + c[:, None] * s_top
     if not need_grad:
         return losses, None
     if not R:  # no rows here (more ranks than rows): nothing to differentiate
         return losses, z_lin.detach()
-    dz = e.mul_((torch.exp(m - lse) * w * p_t.sum(-1))[:, None])  # w_i P_i softmax(z_i), in place
-    dz.scatter_add_(-1, local, -(w[:, None] * p_t * here))  # - w_i p_t,v at the top-K ids
+    dz = e.mul_((torch.exp(m - lse) * w * scale)[:, None])  # w_i P_i softmax(z_i), in place
+    dz.scatter_add_(-1, local, w[:, None] * top * here)  # - w_i p_t,v at the top-K ids
     (dz_lin,) = torch.autograd.grad(z_graph, z_lin, dz)  # through post: its derivative
     return losses, dz_lin
 
 
-def _head_losses(h, weight, bias, post, ids, logprobs, w, chunk, rows, need=(False, False, False)):
+def _head_losses(h, weight, bias, post, ids, logprobs, w, chunk, rows, need=(False, False, False),
+                 tail=False):
     """L_token(i) for every token, z_i = post(W h_i + b), `chunk` tokens at a time (h: (n, d), W:
     (R, d), the rows `rows` says), and the gradients `need` asks for (of h, W, b) of
     sum_i w_i L_token(i), made chunk by chunk: dL/dh = dz W, dL/dW = sum dz^T h, dL/db = sum dz.
@@ -81,7 +97,7 @@ def _head_losses(h, weight, bias, post, ids, logprobs, w, chunk, rows, need=(Fal
     for a in range(0, h.shape[0], chunk):
         sl = slice(a, a + chunk)
         losses[sl], dz = _chunk_losses(h[sl], weight, bias, post, ids[sl], logprobs[sl], w[sl], rows,
-                                       any(need))
+                                       any(need), tail)
         if dh is not None:
             dh[sl] = (dz @ weight).to(dh.dtype)
         if dW is not None and dz.dtype == dW.dtype:  # fp32: in place, no R x d temporary
@@ -112,14 +128,15 @@ class _HeadTokenLosses(torch.autograd.Function):
     alike: checked in the backward)."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, post, ids, logprobs, w, chunk, rows, n_logits):
+    def forward(ctx, h, weight, bias, post, ids, logprobs, w, chunk, rows, n_logits, tail):
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
                 bias is not None and ctx.needs_input_grad[2])
         if rows.world > 1:  # dL/dh made on every rank: the reduce-scatter below is collective
             need = (True, *need[1:])
         H, IDS, LP, Wt = rows.gather_tokens(h, ids, logprobs, w)
         _check_ids(IDS, n_logits)
-        losses, dH, dW, db = _head_losses(H, weight, bias, post, IDS, LP, Wt, chunk, rows, need)
+        losses, dH, dW, db = _head_losses(H, weight, bias, post, IDS, LP, Wt, chunk, rows, need,
+                                          tail)
         ctx.rows = rows
         dh = rows.scatter_tokens(dH).to(h.dtype) if dH is not None else None
         ctx.grads = [dh if ctx.needs_input_grad[0] else None,
@@ -140,11 +157,11 @@ class _HeadTokenLosses(torch.autograd.Function):
                                    "losses differently; scale by the same factor on every rank")
         # g: dObjective/dLoss, a scalar (1 / the micro-batch count...); in place, no copy
         scaled = [t.mul_(g.to(t.dtype)) if t is not None else None for t in grads]
-        return (*scaled, None, None, None, None, None, None, None)
+        return (*scaled, None, None, None, None, None, None, None, None)
 
 
 def head_kd_loss(hidden, weight, bias, topk_ids, topk_logprobs, entropy=None, mask=None,
-                 post=None, vocab=None, chunk_tokens=256):
+                 post=None, vocab=None, chunk_tokens=256, tail=False):
     """The top-K KD loss, a scalar: eq. 12 (entropy None: kd) or eq. 13 (entropy (B, T) = H_t: akd)
     of the student logits z = post(hidden W^T + b)[..., :vocab], which are never made whole.
     hidden (B, T, d); the head's weight (V, d) and bias (V) or None; topk_ids, topk_logprobs
@@ -178,11 +195,11 @@ def head_kd_loss(hidden, weight, bias, topk_ids, topk_logprobs, entropy=None, ma
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (h, weight, bias)):
         return _HeadTokenLosses.apply(h, weight, bias, post, ids, logprobs, w, chunk, rows,
-                                      n_logits)
+                                      n_logits, tail)
     # no backward will follow (validation, a search's fitness): the loss alone
     H, IDS, LP, Wt = rows.gather_tokens(h, ids, logprobs, w)
     _check_ids(IDS, n_logits)
-    losses = _head_losses(H, weight, bias, post, IDS, LP, Wt, chunk, rows)[0]
+    losses = _head_losses(H, weight, bias, post, IDS, LP, Wt, chunk, rows, tail=tail)[0]
     return (w * losses[rows.own]).sum()
 
 
@@ -304,20 +321,36 @@ def chunked_logits(model, input_ids, chunk):
 # -----------------------------------------------------------------------------
 # What prune.py calls: losses(model, batch, kinds), as its plain_losses
 
+def distinct_draws(draws):
+    """(..., N) draws -> ids and log-shares (..., N): each distinct id once, sorted, at the log of
+    its share of the N draws; the slots left over hold id 0 at log 0 = -inf (weight 0)."""
+    ids = draws.sort(-1).values
+    first = torch.ones_like(ids, dtype=torch.bool)
+    first[..., 1:] = ids[..., 1:] != ids[..., :-1]
+    slot = first.long().cumsum(-1) - 1  # each id's place among the distinct ones: 0, 0, 1, 2, 2
+    out = torch.zeros_like(ids).scatter_(-1, slot, ids)  # repeats write the same id
+    share = torch.full(ids.shape, 1 / ids.shape[-1], device=ids.device)
+    return out, torch.zeros_like(share).scatter_add_(-1, slot, share).log()
+
+
 def _loss_fn(kind, batch, vocab, chunk):
     """The fused form of kd.LOSSES[kind]: fn(x, W, b, post) -> the loss, for head_losses."""
+    targets, tail = batch.get("targets", "topk"), False
     if kind == "sft":
         ids, logprobs, mask = next_token_targets(batch["input_ids"], batch.get("mask"))
         entropy = None
-    elif kind in ("kd", "akd"):
-        ids, logprobs, mask = batch["topk_ids"], batch["topk_logprobs"], batch.get("mask")
-        entropy = batch["entropy"] if kind == "akd" else None
+    elif kind in ("kd", "akd") and targets in ("topk", "tail", "sampled"):
+        if targets == "sampled":  # each drawn token once, with its share of the draws
+            ids, logprobs = distinct_draws(batch["sample_ids"])
+        else:
+            ids, logprobs, tail = batch["topk_ids"], batch["topk_logprobs"], targets == "tail"
+        mask, entropy = batch.get("mask"), batch["entropy"] if kind == "akd" else None
     else:
-        raise E3Error(f"the fused LM head implements the losses akd, kd and sft, not '{kind}'; run "
-                      f"with --logit-chunk 0 (the plain logits path, kd.py), or teach "
-                      f"scale/fused_loss.py the new loss")
+        raise E3Error(f"the fused LM head implements the losses akd, kd and sft over top-K, tail "
+                      f"or sampled targets, not '{kind}' over '{targets}'; run with --logit-chunk 0 "
+                      f"(the plain logits path, kd.py), or teach scale/fused_loss.py the new loss")
     return lambda x, W, b, post: head_kd_loss(x, W, b, ids, logprobs, entropy, mask, post, vocab,
-                                              chunk)
+                                              chunk, tail)
 
 
 class FusedLoss:
@@ -333,14 +366,15 @@ class FusedLoss:
 
     def __call__(self, model, batch, kinds):
         for kind in kinds:
-            if kind not in self.checked:
+            if (kind, batch.get("targets")) not in self.checked:
                 self.check(model, batch, kind)
         fns = [_loss_fn(kind, batch, self.vocab, self.chunk) for kind in kinds]
         return list(head_losses(model, batch["input_ids"], fns))
 
     @torch.no_grad()
     def check(self, model, batch, kind):
-        part = {k: v[:1, :self.check_tokens] for k, v in batch.items()}
+        part = {k: v[:1, :self.check_tokens] if torch.is_tensor(v) else v
+                for k, v in batch.items()}
         training = model.training
         model.eval()
         fused = head_losses(model, part["input_ids"], [_loss_fn(kind, part, self.vocab,
@@ -353,4 +387,4 @@ class FusedLoss:
             raise E3Error(f"the fused LM head's '{kind}' loss is {fused.item():.6g} where kd.py's "
                           f"is {plain.item():.6g}: kd.py (or the model's logit transform) computes "
                           f"something scale/fused_loss.py does not; run with --logit-chunk 0")
-        self.checked.add(kind)
+        self.checked.add((kind, batch.get("targets")))

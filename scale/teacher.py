@@ -50,5 +50,5 @@ def compute_shards_sharded(model_name, device, todo, shards, blocks, out, identi
         tokens = compute_shards(model, jobs, out, identity, batch_size, bar, logit_chunk)
     for _ in range(max(batches) - batches[rank]):
         teacher_targets(model, blocks["train"][0:1].to(device), identity["vocab_size"],
-                        identity["topk"], logit_chunk)
+                        identity["topk"] or 1, logit_chunk)  # in step with the others: discarded
     return tokens

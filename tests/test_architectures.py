@@ -14,8 +14,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from architectures.logits import model_logits
 from cache_teacher import E3Error
 from scale.fused_loss import check_logits_path, last_layer_output
+from scale.lora import lora_targets
 from surgery import (LayerGates, check_removable, decoder_layers, export_pruned, kl_importance,
-                     lora_targets, remove_layers)
+                     remove_layers)
 from test_prune import (assert_one_line_error, corpus, events, run, tiny_args,  # noqa: F401
                         weights)  # (corpus: a fixture)
 

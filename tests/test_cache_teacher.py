@@ -130,7 +130,8 @@ def test_get_reads_rows_in_any_order(ref):
     assert some["input_ids"].dtype == some["topk_ids"].dtype == torch.int64
     assert some["topk_logprobs"].dtype == some["entropy"].dtype == torch.float32
     assert some["topk_ids"].shape == (5, 16, 10) and some["entropy"].shape == (5, 16)
-    for k in full:
+    assert some["targets"] == full["targets"] == "topk"  # the kind, for kd.TARGETS
+    for k in set(full) - {"targets"}:
         assert torch.equal(some[k], full[k][order])
     with pytest.raises(IndexError):
         cache.get([n])
@@ -176,6 +177,7 @@ def test_two_ranks_give_the_same_cache_as_one(ref, tmp_path):
     tok = AutoTokenizer.from_pretrained(ref["model_name"])
     a, b = everything(TeacherCache(out, tok)), everything(TeacherCache(ref["out"], tok))
     for split in a:
+        assert a[split].pop("targets") == b[split].pop("targets")
         for k in a[split]:
             assert torch.equal(a[split][k], b[split][k])
 

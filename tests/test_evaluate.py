@@ -87,10 +87,12 @@ def assets(tmp_path_factory, tokenizer):
 
 def reference_quality(student_dir, teacher_dir, blocks, vocab, k):
     """ppl, KL(teacher || student), top-1 agreement and both models' mass outside the teacher's k
-    most likely tokens, recomputed in float64 with other library calls (a sort, not topk)."""
+    most likely tokens, and the student's top-1 expected calibration error over 15 bins, recomputed in
+    float64 with other library calls (a sort, not topk; the bins by a Python loop)."""
     s = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float64)
     t = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float64)
     nll = kl = agree = n = tail = teacher_tail = 0.0
+    bins = [[0, 0.0, 0.0] for _ in range(15)]  # predictions, confidence, correct
     with torch.no_grad():
         for b in blocks:
             ls = F.log_softmax(s(b[None]).logits[0, :-1, :vocab], -1)
@@ -101,8 +103,15 @@ def reference_quality(student_dir, teacher_dir, blocks, vocab, k):
             order = lt.argsort(-1, descending=True)[:, :k]  # the teacher's k first tokens
             tail += (1 - ls.exp().gather(-1, order).sum(-1)).sum().item()
             teacher_tail += (1 - lt.exp().gather(-1, order).sum(-1)).sum().item()
+            for row, nxt in zip(ls.exp(), b[1:]):
+                conf = row.max().item()
+                at = min(int(conf * 15), 14)
+                bins[at][0] += 1
+                bins[at][1] += conf
+                bins[at][2] += float(row.argmax().item() == nxt.item())
             n += len(b) - 1
-    return math.exp(nll / n), kl / n, agree / n, tail / n, teacher_tail / n
+    ece = sum(m / n * abs(c / m - a / m) for m, c, a in bins if m)
+    return math.exp(nll / n), kl / n, agree / n, tail / n, teacher_tail / n, ece
 
 
 def test_quality_matches_float64_recomputation(assets, tokenizer, tmp_path):
@@ -114,9 +123,10 @@ def test_quality_matches_float64_recomputation(assets, tokenizer, tmp_path):
     ids = tokenizer(assets["text"].read_text())["input_ids"] + [tokenizer.eos_token_id]
     blocks = torch.tensor(ids[: len(ids) // 48 * 48]).view(-1, 48)
     assert q["windows"] == len(blocks) and q["tokens"] == len(blocks) * 47
-    ppl, kl, top1, tail, teacher_tail = reference_quality(assets["run"] / "model", assets["teacher"],
+    ppl, kl, top1, tail, teacher_tail, ece = reference_quality(assets["run"] / "model", assets["teacher"],
                                                           blocks, 49152, k=7)
     assert q["ppl"] == pytest.approx(ppl, rel=1e-4)
+    assert q["ece"] == pytest.approx(ece, abs=2 / q["tokens"]) and ece > 0.01  # fp32 near-ties
     assert q["kl"] == pytest.approx(kl, rel=1e-4) and kl > 0.05  # not a trivially uniform pair
     assert q["top1"] == pytest.approx(top1, abs=1.5 / q["tokens"])  # an fp32 near-tie may flip one
     assert 0 < top1 < 1

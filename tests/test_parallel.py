@@ -61,6 +61,7 @@ def test_the_cut_frees_the_removed_layers_fsdp_units(make_tiny, tmp_path):
         assert f"rank {r}: kept [0, 1, 4, 5] units 5 removed_alive False" in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow  # by default: 2 ranks on one node == 1 process
 def test_two_nodes_on_one_host_match_one_process(single_run, make_tiny, corpus, tmp_path):  # noqa: F811
     """torchrun --nnodes 2 --node-rank 0|1 (one rank each, a static rendezvous at node 0's address) is
     the README's multi-node launch; on one host it must train the same model as one process."""
@@ -348,36 +349,44 @@ for r in range(world):
     mask = torch.rand(1, T) > 0.2 + 0.3 * r  # the ranks count different numbers of tokens (rank 3: none)
     data.append((torch.randn(1, T, d, dtype=torch.float64), ids, lp, -(lt.exp() * lt).sum(-1), mask))
 post = lambda z: cap * torch.tanh(z / cap)
-# the reference, float64 in one process: the mean over ranks of each rank's loss on the whole logits
-Wr, br = W.clone().requires_grad_(True), b.clone().requires_grad_(True)
-hs = [x[0].clone().requires_grad_(True) for x in data]
-losses = []
-for (h_, ids, lp, ent, mask), hr in zip(data, hs):
+for tail in (False, True):  # eq. 12's top-K, then K + 1 classes (the rest lumped)
+  # the reference, float64 in one process: the mean over ranks of each rank's loss on the whole logits
+  Wr, br = W.clone().requires_grad_(True), b.clone().requires_grad_(True)
+  hs = [x[0].clone().requires_grad_(True) for x in data]
+  losses = []
+  for (h_, ids, lp, ent, mask), hr in zip(data, hs):
     ls = torch.log_softmax(post(hr @ Wr.t() + br)[..., :vocab], -1)
-    losses.append(((lp.exp() * (lp - ls.gather(-1, ids))).sum(-1) * ent)[mask].sum() / max(mask.sum(), 1))
-(sum(losses) / world).backward()
-# vocabulary-parallel: each rank its rows of W and b (DTensors), its own tokens
-Wd = torch.nn.Parameter(distribute_tensor(W.float(), mesh, [Shard(0)]))
-bd = torch.nn.Parameter(distribute_tensor(b.float(), mesh, [Shard(0)]))
-h_, ids, lp, ent, mask = data[rank]
-h = h_.float().requires_grad_(True)
-loss = head_kd_loss(h, Wd, bd, ids, lp.float(), ent.float(), mask, post=post, vocab=vocab, chunk_tokens=2)
-loss.backward()
-with torch.no_grad():
-    again = head_kd_loss(h, Wd, bd, ids, lp.float(), ent.float(), mask, post=post, vocab=vocab, chunk_tokens=2)
-out = {"rows": Wd.to_local().shape[0], "tokens": int(mask.sum()), "loss": (loss.item() - losses[rank].item()),
-       "no_grad": again.item() - loss.item(),
-       "dh": (h.grad.double() - world * hs[rank].grad).abs().max().item(),  # its own loss's gradient
-       "dW": (Wd.grad.full_tensor().double() - Wr.grad).abs().max().item(),
-       "db": (bd.grad.full_tensor().double() - br.grad).abs().max().item(),
-       "past_vocab": Wd.grad.full_tensor()[vocab:].abs().sum().item()}
-# the ranks scale their losses differently: refused, not a wrong dW
-try:
-    (head_kd_loss(h, Wd, bd, ids, lp.float(), ent.float(), mask, post=post, vocab=vocab) * (1 + rank)).backward()
+    per_token = (lp.exp() * (lp - ls.gather(-1, ids))).sum(-1)
+    if tail:  # + r_t log(r_t / r_s), r = 1 - the top-K's mass
+        r_t, r_s = 1 - lp.exp().sum(-1), 1 - ls.gather(-1, ids).exp().sum(-1)
+        per_token = per_token + r_t * (r_t.log() - r_s.log())
+    losses.append((per_token * ent)[mask].sum() / max(mask.sum(), 1))
+  (sum(losses) / world).backward()
+  # vocabulary-parallel: each rank its rows of W and b (DTensors), its own tokens
+  Wd = torch.nn.Parameter(distribute_tensor(W.float(), mesh, [Shard(0)]))
+  bd = torch.nn.Parameter(distribute_tensor(b.float(), mesh, [Shard(0)]))
+  h_, ids, lp, ent, mask = data[rank]
+  h = h_.float().requires_grad_(True)
+  loss = head_kd_loss(h, Wd, bd, ids, lp.float(), ent.float(), mask, post=post, vocab=vocab, chunk_tokens=2,
+                      tail=tail)
+  loss.backward()
+  with torch.no_grad():
+    again = head_kd_loss(h, Wd, bd, ids, lp.float(), ent.float(), mask, post=post, vocab=vocab, chunk_tokens=2,
+                         tail=tail)
+  out = {"rows": Wd.to_local().shape[0], "tokens": int(mask.sum()), "loss": (loss.item() - losses[rank].item()),
+         "no_grad": again.item() - loss.item(),
+         "dh": (h.grad.double() - world * hs[rank].grad).abs().max().item(),  # its own loss's gradient
+         "dW": (Wd.grad.full_tensor().double() - Wr.grad).abs().max().item(),
+         "db": (bd.grad.full_tensor().double() - br.grad).abs().max().item(),
+         "past_vocab": Wd.grad.full_tensor()[vocab:].abs().sum().item()}
+  # the ranks scale their losses differently: refused, not a wrong dW
+  try:
+    (head_kd_loss(h, Wd, bd, ids, lp.float(), ent.float(), mask, post=post, vocab=vocab, tail=tail)
+     * (1 + rank)).backward()
     out["uneven"] = "accepted"
-except RuntimeError as e:
+  except RuntimeError as e:
     out["uneven"] = str(e)[:60]
-with open(f"{sys.argv[2]}/rank{rank}.json", "w") as f:
+  with open(f"{sys.argv[2]}/rank{rank}{'-tail' if tail else ''}.json", "w") as f:
     json.dump(out, f)
 torch.distributed.barrier()  # no rank closes its connections while another still uses them
 torch.distributed.destroy_process_group()
@@ -391,7 +400,7 @@ def test_vocabulary_parallel_loss_equals_float64_whole_logits(tmp_path, world):
     at 4 ranks one rank with no rows and one with no tokens) against float64 autograd through each rank's
     whole logits in one process: each rank's loss, its dL/dh, and dL/dW, dL/db of the mean over ranks (what
     FSDP's other gradients are); the no-grad path gives the same loss, and ranks that scale their losses
-    differently are refused."""
+    differently are refused. The same for the K + 1-class loss (--kd-tail)."""
     script = tmp_path / "vp.py"
     script.write_text(VOCAB_PARALLEL_LOSS)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -399,9 +408,10 @@ def test_vocabulary_parallel_loss_equals_float64_whole_logits(tmp_path, world):
                            "--master_port", str(30100 + os.getpid() % 90 + world), str(script), str(ROOT),
                            str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, torchrun_failure(proc.stdout, proc.stderr)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
-    assert [r["rows"] for r in ranks] == ([16, 15] if world == 2 else [2, 2, 1, 0]), ranks
-    assert world == 2 or ranks[3]["tokens"] == 0, ranks
+    ranks = [json.loads((tmp_path / f"rank{r}{tail}.json").read_text()) for r in range(world)
+             for tail in ("", "-tail")]
+    assert [r["rows"] for r in ranks[::2]] == ([16, 15] if world == 2 else [2, 2, 1, 0]), ranks
+    assert world == 2 or ranks[6]["tokens"] == 0, ranks
     for r in ranks:
         assert abs(r["loss"]) < 1e-5 and abs(r["no_grad"]) < 1e-6, ranks
         assert r["dh"] < 1e-5 and r["dW"] < 1e-5 and r["db"] < 1e-5 and r["past_vocab"] == 0, ranks

@@ -145,6 +145,7 @@ def assert_same_weights(a_out, b_out, atol):
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol, msg=key)
 
 
+@pytest.mark.slow  # by default: resume 2 -> 1 rank, and kill + resume in one process
 def test_two_ranks_killed_mid_search_resume_on_two_ranks(two_rank_run, make_tiny, corpus, tmp_path):
     """A sharded (DCP) checkpoint taken mid-search (step 3 of T_M = 4) by 2 ranks, resumed by 2 ranks:
     the same layers and weights as the uninterrupted 2-rank run."""
@@ -388,6 +389,7 @@ def test_given_layers_train_exactly_as_the_search_free_run_that_chose_them(make_
     assert_one_line_error(run(bad, tmp_path, check=False), "--layers")
 
 
+@pytest.mark.slow  # by default: 2 ranks == 1 process with the search
 def test_given_layers_on_two_ranks_match_one_process(make_tiny, corpus, tmp_path):
     """Pruned before the first training step (--layers; the same path as --search none): under FSDP the
     root unit (embeddings, final norm, LM head) must train as in one process, and checkpoints work."""

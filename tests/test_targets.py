@@ -1,0 +1,264 @@
+"""Teacher targets beside the paper's top-K (kd.TARGETS; cache_teacher.py --targets; prune.py --kd-tail,
+--kd-full): the K + 1-class KL against float64 written out token by token; the sampled target's gradient,
+averaged over many draws, against the full KL's (the same check fails for top-K); top-K with K = V equals
+the full KL; the fused head computes what kd.py does; the bytes a token of each cache, the draws seeded,
+drawn from the teacher; prune.py with each."""
+import itertools
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import kd
+from cache_teacher import TeacherCache, build_cache
+from scale.fused_loss import distinct_draws, head_kd_loss
+
+
+def tail_kl_float64(student, teacher, K):
+    """The K + 1-class KL, one position at a time, in float64 with Python sums: the teacher's top-K
+    and the rest lumped, p_t,rest = 1 - sum_K p_t, p_s,rest = sum of the student's p over the rest."""
+    V = student.shape[-1]
+    out = torch.zeros(student.shape[:-1], dtype=torch.float64)
+    for pos in itertools.product(*map(range, student.shape[:-1])):
+        ps = torch.softmax(student[pos].double(), -1).tolist()
+        pt = torch.softmax(teacher[pos].double(), -1).tolist()
+        top = sorted(range(V), key=lambda v: -pt[v])[:K]
+        rest = [v for v in range(V) if v not in top]
+        pt_rest, ps_rest = 1 - sum(pt[c] for c in top), sum(ps[v] for v in rest)
+        out[pos] = sum(pt[c] * math.log(pt[c] / ps[c]) for c in top) + \
+            pt_rest * math.log(pt_rest / ps_rest)
+    return out
+
+
+def tail_kl_autograd64(student, teacher_logprobs, ids):
+    """The same K + 1-class KL vectorised in float64 (the rest as 1 - the top-K's mass): autograd's
+    gradient is the reference for kd.py's and the fused head's."""
+    ls = torch.log_softmax(student, -1)
+    lp = teacher_logprobs
+    r_t, r_s = 1 - lp.exp().sum(-1), 1 - ls.gather(-1, ids).exp().sum(-1)
+    return (lp.exp() * (lp - ls.gather(-1, ids))).sum(-1) + r_t * (r_t.log() - r_s.log())
+
+
+def fused(logits, ids, lp, entropy=None, mask=None, tail=False, chunk=4):
+    """head_kd_loss of given logits: the identity as the head (z = h I^T)."""
+    eye = torch.eye(logits.shape[-1], dtype=logits.dtype)
+    return head_kd_loss(logits, eye, None, ids, lp, entropy, mask, chunk_tokens=chunk, tail=tail)
+
+
+@pytest.mark.parametrize("K", [1, 4, 19])  # 19 of 20: the rest is one token
+def test_tail_kl_equals_float64_written_out(K):
+    torch.manual_seed(0)
+    B, T, V = 2, 5, 20
+    student, teacher = torch.randn(B, T, V) * 2, torch.randn(B, T, V) * 2
+    lp, ids = torch.log_softmax(teacher, -1).topk(K, -1)
+    want = tail_kl_float64(student, teacher, K)
+    torch.testing.assert_close(kd.tail_token_kl(student, ids, lp).double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kd.LOSSES["kd"](student, {"topk_ids": ids, "topk_logprobs": lp,
+                                                         "targets": "tail"}).double(),
+                               want.mean(), rtol=1e-5, atol=1e-6)
+    # the fused head (closed-form dL/dz): loss and gradient against float64 autograd
+    s64 = student.double().requires_grad_(True)
+    tail_kl_autograd64(s64, lp.double(), ids).mean().backward()
+    s32 = student.clone().requires_grad_(True)
+    loss = fused(s32, ids, lp, tail=True)
+    loss.backward()
+    torch.testing.assert_close(loss.double(), want.mean(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s32.grad.double(), s64.grad, rtol=1e-4, atol=1e-6)
+    s = student.clone().requires_grad_(True)  # kd.py's by autograd too
+    kd.tail_token_kl(s, ids, lp).mean().backward()
+    torch.testing.assert_close(s.grad.double(), s64.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_tail_kl_is_zero_at_the_teacher_and_sees_the_mass_top_k_kd_does_not():
+    """At the teacher both read 0; a student that puts all its mass on the teacher's top-K (eq. 12's
+    minimum) reads 0 under top-K KD but not under the K + 1-class KL."""
+    torch.manual_seed(1)
+    V, K = 30, 5
+    t = torch.randn(1, 1, V) * 2
+    lp, ids = torch.log_softmax(t, -1).topk(K, -1)
+    assert kd.tail_token_kl(t, ids, lp).abs().max() < 1e-5
+    on_top = torch.full_like(t, -30.0).scatter(-1, ids, lp)  # p_s = p_t / sum_K p_t on the top-K
+    assert kd.token_kl(on_top, ids, lp).item() < kd.token_kl(t, ids, lp).item()  # eq. 12 prefers it
+    # r_t log(r_t / r_s) with r_t = 0.034 and r_s ~ 1e-12, which the loss stops at 1e-7
+    assert kd.tail_token_kl(on_top, ids, lp).item() == pytest.approx(
+        kd.token_kl(on_top, ids, lp).item() + 0.034 * math.log(0.034 / 1e-7), rel=0.05)
+
+
+def test_top_k_with_k_equal_v_is_the_full_kl():
+    torch.manual_seed(2)
+    V = 25
+    student, teacher = torch.randn(3, 4, V) * 2, torch.randn(3, 4, V) * 2
+    lp, ids = torch.log_softmax(teacher, -1).topk(V, -1)
+    pt, ps = torch.softmax(teacher.double(), -1), torch.softmax(student.double(), -1)
+    want = (pt * (pt.log() - ps.log())).sum(-1)
+    torch.testing.assert_close(kd.token_kl(student, ids, lp).double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kd.full_token_kl(student, teacher).double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_distinct_draws_count_every_draw_once():
+    """The fused head's form of the draws: each distinct id once, at its share of the draws."""
+    torch.manual_seed(3)
+    draws = torch.randint(0, 6, (50, 12))
+    ids, logw = distinct_draws(draws)
+    for row, i, ww in zip(draws.tolist(), ids.tolist(), logw.exp().tolist()):
+        got = {c: x for c, x in zip(i, ww) if x > 0}
+        assert got == pytest.approx({c: n / 12 for c, n in Counter(row).items()})
+        assert len(got) == sum(x > 0 for x in ww)  # each id once
+
+
+def test_sampled_gradient_is_the_full_kl_gradient_in_expectation_and_top_k_is_not():
+    """E over draws of d/dz sum_c w_c (log w_c - log p_s,c) = softmax(z) - p_t, the full KL's gradient:
+    averaged over M positions of N = 12 draws each, within 5 standard errors of it (the standard error
+    of a share of N M draws, sqrt(p (1 - p) / (N M))). Top-K's gradient, P softmax(z) - p_t on the
+    top-K, misses by far more: the mass the teacher puts off its top-K."""
+    torch.manual_seed(4)
+    V, N, M, K = 40, 12, 20_000, 5
+    z, t = torch.randn(V), torch.randn(V)
+    p_t = torch.softmax(t.double(), -1)
+    full = torch.softmax(z.double(), -1) - p_t
+    se = (p_t * (1 - p_t) / (N * M)).sqrt().max().item()
+    draws = torch.multinomial(p_t.float().expand(M, V), N, replacement=True)
+    zs = z.expand(M, V).clone().requires_grad_(True)
+    kd.sampled_token_kl(zs, draws).sum().backward()
+    sampled = zs.grad.double().mean(0)
+    assert (sampled - full).abs().max().item() < 5 * se, ((sampled - full).abs().max(), se)
+    # the fused head: the same gradient from the distinct draws at their shares
+    zf = z.expand(M, V).clone().requires_grad_(True)
+    ids, logw = distinct_draws(draws)
+    (fused(zf[None], ids[None], logw[None], chunk=4096) * M).backward()
+    torch.testing.assert_close(zf.grad.double().mean(0), sampled, rtol=0, atol=1e-6)
+    lp, tid = torch.log_softmax(t, -1).topk(K)
+    zk = z.clone().requires_grad_(True)
+    kd.token_kl(zk, tid, lp).backward()
+    assert (zk.grad.double() - full).abs().max().item() > 20 * se
+
+
+def test_sampled_kl_reads_zero_at_its_own_draws_and_matches_float64():
+    """KL(the draws' empirical distribution || p_s), the counts made with a Counter, in float64; 0 when
+    the student is that distribution; the fused head (distinct ids at their shares) the same."""
+    torch.manual_seed(5)
+    V, N = 16, 12
+    draws = torch.multinomial(torch.softmax(torch.randn(6, V), -1), N, replacement=True)
+    student = torch.randn(6, V)
+    ps = torch.softmax(student.double(), -1)
+    want = torch.tensor([sum(m / N * math.log(m / N / ps[r, c].item()) for c, m in Counter(row).items())
+                         for r, row in enumerate(draws.tolist())], dtype=torch.float64)
+    torch.testing.assert_close(kd.sampled_token_kl(student, draws).double(), want, rtol=1e-5, atol=1e-6)
+    empirical = torch.zeros(6, V).scatter_add_(-1, draws, torch.full((6, N), 1 / N)).clamp(min=1e-30).log()
+    assert kd.sampled_token_kl(empirical, draws).abs().max() < 1e-5
+    torch.testing.assert_close(fused(student[None], *distinct_draws(draws[None])),
+                               kd.sampled_token_kl(student, draws).mean(), rtol=1e-5, atol=1e-6)
+
+
+def tensor_bytes_a_token(path):
+    """The stored tensors' bytes (safetensors' headers aside) over the tokens: what a token costs."""
+    total, tokens = 0, 0
+    for shard in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            for k in f.keys():
+                t = f.get_tensor(k)
+                total += t.numel() * t.element_size()
+                tokens += t.numel() if k == "input_ids" else 0
+    return total / tokens
+
+
+def test_sampled_cache_bytes_seeded_draws_from_the_teacher(tiny_model, tmp_path):
+    """A sampled cache: 30 bytes a token at N = 12 (top-10: 46), its kind in meta.json, the same
+    draws when a shard is computed again; and the draws are the teacher's: the mean share of the
+    teacher's most likely token among them is its mean probability."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    common = dict(seq_len=64, max_tokens=64 * 64, batch_size=16, shard_seqs=32)
+    topk = build_cache(tiny_model, None, tmp_path / "topk", topk=10, **common)
+    sampled = build_cache(tiny_model, None, tmp_path / "sampled", targets="sampled", samples=12, **common)
+    assert tensor_bytes_a_token(topk) == 46 and tensor_bytes_a_token(sampled) == 30
+    meta = json.loads((Path(sampled) / "meta.json").read_text())
+    assert meta["targets"] == "sampled" and meta["samples"] == 12 and meta["bytes_per_token"] <= 64
+    assert json.loads((Path(topk) / "meta.json").read_text())["targets"] == "topk"
+    a, b = TeacherCache(topk, tok, seq_len=64), TeacherCache(sampled, tok, seq_len=64)
+    assert (a.targets, b.targets) == ("topk", "sampled")
+    rows = list(range(a.len_split("train")))
+    x, y = a.get(rows), b.get(rows)
+    assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["entropy"], y["entropy"])
+    assert y["sample_ids"].shape == (len(rows), 64, 12)
+    share = (y["sample_ids"] == x["topk_ids"][..., 0:1]).float().mean(-1)
+    assert abs(share.mean() - x["topk_logprobs"][..., 0].exp().mean()) < 0.02
+    # a shard computed again (a killed run's rerun) draws what it drew
+    first = Path(sampled) / "train-00000.safetensors"
+    before = {k: v.clone() for k, v in y.items() if torch.is_tensor(v)}
+    first.unlink()
+    (Path(sampled) / "meta.json").unlink()
+    build_cache(tiny_model, None, tmp_path / "sampled", targets="sampled", samples=12, **common)
+    again = TeacherCache(sampled, tok).get(rows)
+    assert all(torch.equal(before[k], again[k]) for k in before)
+    with pytest.raises(Exception, match="another"):  # a top-K build into a sampled cache's folder
+        build_cache(tiny_model, None, tmp_path / "sampled", topk=10, **common)
+
+
+# -----------------------------------------------------------------------------
+# prune.py with each target: the kind read from the cache, --kd-tail, --kd-full; the fused head (one
+# process and two vocabulary-parallel ranks) computes what kd.py does
+
+from test_prune import L, corpus, events, one_line_error, run, tiny_args  # noqa: E402,F401
+
+
+def train_losses(out):
+    return [e["loss"] for e in events(out, "train")]
+
+
+def test_prune_py_with_each_target(make_tiny, corpus, tmp_path, monkeypatch, capsys):  # noqa: F811
+    import prune
+    monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
+    model = make_tiny("llama", L)
+    args = lambda out, *extra: tiny_args(model, corpus, tmp_path / out, "--steps", "4", *extra)  # noqa: E731
+    prune.main(args("topk"))
+    prune.main(args("tail", "--kd-tail"))
+    prune.main(args("tail-fused", "--kd-tail", "--logit-chunk", "8"))
+    topk, tail = train_losses(tmp_path / "topk"), train_losses(tmp_path / "tail")
+    assert tail[0] != pytest.approx(topk[0], rel=1e-3)  # + the rest's term
+    assert train_losses(tmp_path / "tail-fused") == pytest.approx(tail, rel=1e-3)
+    # validation keeps the cache's own targets (one yardstick): the dense model reads the same
+    assert events(tmp_path / "tail", "val")[0]["val_loss"] == events(tmp_path / "topk", "val")[0]["val_loss"]
+
+    # a sampled cache: read as such without a flag, plain and fused
+    sampled = build_cache(model, corpus, tmp_path / "sampled-cache", targets="sampled", samples=8, seq_len=32,
+                          max_tokens=4096)
+    prune.main(args("sampled", "--cache", sampled))
+    prune.main(args("sampled-fused", "--cache", sampled, "--logit-chunk", "8"))
+    assert train_losses(tmp_path / "sampled-fused") == pytest.approx(train_losses(tmp_path / "sampled"),
+                                                                    rel=1e-3)
+    meta = json.loads((tmp_path / "sampled" / "model" / "pruning.json").read_text())
+    assert meta["flags"]["targets"] == "sampled" and meta["flags"]["samples"] == 8
+    one_line_error(args("bad", "--cache", sampled, "--kd-tail"), capsys, "--kd-tail", "sampled")
+    one_line_error(args("bad", "--kd-full", "--logit-chunk", "8"), capsys, "--kd-full", "one process")
+
+    # --kd-full: the loss sees the teacher's own logits of the batch, the whole vocabulary
+    seen = []
+    full = kd.TARGETS["full"]
+    monkeypatch.setitem(kd.TARGETS, "full", lambda z, b: seen.append((z.detach(), b)) or full(z, b))
+    prune.main(args("full", "--kd-full", "--loss", "kd"))
+    from transformers import AutoModelForCausalLM
+    teacher = AutoModelForCausalLM.from_pretrained(model).eval()
+    want = []
+    for z, b in seen[:4]:  # step 1: 4 micro-batches of 1 sequence, its loss their mean
+        with torch.no_grad():
+            torch.testing.assert_close(b["teacher_logits"], teacher(b["input_ids"]).logits)
+        pt, ps = torch.softmax(b["teacher_logits"].double(), -1), torch.softmax(z.double(), -1)
+        want.append((pt * (pt.log() - ps.log())).sum(-1).mean().item())
+    assert train_losses(tmp_path / "full")[0] == pytest.approx(sum(want) / 4, rel=1e-4)
+
+
+def test_two_ranks_with_a_sampled_cache_match_one_process(make_tiny, corpus, tmp_path):  # noqa: F811
+    """Two FSDP2 ranks (the vocabulary-parallel head fused with the loss) against one process on the
+    plain logits path, over a sampled cache: the same losses."""
+    model = make_tiny("llama", L)
+    sampled = build_cache(model, corpus, tmp_path / "sampled-cache", targets="sampled", samples=8, seq_len=32,
+                          max_tokens=4096)
+    for out, n in (("one", 1), ("two", 2)):
+        run(tiny_args(model, corpus, tmp_path / out, "--steps", "4", "--cache", sampled), tmp_path, nproc=n)
+    assert train_losses(tmp_path / "two") == pytest.approx(train_losses(tmp_path / "one"), rel=1e-3)
+    assert events(tmp_path / "two", "pruned")[0]["kept"] == events(tmp_path / "one", "pruned")[0]["kept"]
