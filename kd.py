@@ -96,10 +96,8 @@ def kd_loss(student_logits, batch, weighted):
 def topk_kd_loss(student_logits, topk_ids, topk_logprobs, entropy=None, mask=None):
     """Eq. 12 (entropy None: kd), or eq. 13 (entropy = H_t, (B, T): akd, each token weighted by how
     uncertain the teacher is), a scalar. Shapes (B, T, V), (B, T, K), (B, T, K), mask (B, T) bool."""
-    per_token = token_kl(student_logits, topk_ids, topk_logprobs)
-    if entropy is not None:
-        per_token = per_token * entropy.float()
-    return masked_mean(per_token, mask)
+    batch = {"topk_ids": topk_ids, "topk_logprobs": topk_logprobs, "entropy": entropy, "mask": mask}
+    return kd_loss(student_logits, batch, weighted=entropy is not None)
 
 
 def next_token_loss(logits, input_ids, mask=None):
