@@ -250,18 +250,19 @@ def corpus_files(data=None):
     return [path]
 
 
-def documents(tok, data=None, text_field="text"):
-    """(text, is_plain_text) for every non-blank document of --data, lazily, in reading order."""
+def documents(tok, data=None, text_field="text", assistant_only=False):
+    """(text, is_plain_text, spans) for every non-blank document of --data, lazily, in reading
+    order; spans: a chat's assistant turns (assistant_only, scale/data.py), else None."""
     for path in corpus_files(data):
         if path.suffix in (".jsonl", ".parquet"):  # JSON lines (text or chats), FineWeb's parquet
             from scale import data as formats
-            docs = formats.jsonl_documents(path, text_field, tok) if path.suffix == ".jsonl" \
-                else formats.parquet_documents(path, text_field)
+            docs = formats.jsonl_documents(path, text_field, tok, assistant_only) \
+                if path.suffix == ".jsonl" else formats.parquet_documents(path, text_field)
         else:
-            docs = [(path.read_text(encoding="utf-8", errors="replace"), True)]
-        for text, plain in docs:
+            docs = [(path.read_text(encoding="utf-8", errors="replace"), True, None)]
+        for text, plain, spans in docs:
             if text and text.strip():
-                yield text, plain
+                yield text, plain, spans
 
 
 def _encode(tok, batch):
@@ -270,7 +271,7 @@ def _encode(tok, batch):
     would double the end of every conversation)."""
     out = [None] * len(batch)
     for plain in (True, False):
-        idx = [i for i, (_, p) in enumerate(batch) if p == plain]
+        idx = [i for i, doc in enumerate(batch) if doc[1] == plain]
         if idx:
             encoded = tok([batch[i][0] for i in idx], add_special_tokens=plain)["input_ids"]
             eos = [tok.eos_token_id] if plain and tok.eos_token_id is not None else []
@@ -308,17 +309,18 @@ class TokenFile:
         return torch.from_numpy(mm.astype(np.int64))
 
 
-def write_token_file(tok, data, text_field, folder, need=None):
-    """Tokenise --data, ~BATCH_CHARS of text at a time, into folder/tokens.bin; stop once it holds
-    `need` tokens (None: all). tokens.json is written last: it says the ids are whole."""
+def write_token_file(tok, data, text_field, folder, need=None, assistant_only=False):
+    """Tokenise --data, ~BATCH_CHARS of text at a time, into folder/tokens.bin (and mask.bin: a byte
+    a token, 1 if the loss predicts it, --assistant-only); stop once it holds `need` tokens (None:
+    all). tokens.json is written last: it says the ids are whole."""
     folder.mkdir(parents=True, exist_ok=True)
     dtype = np.uint16 if len(tok) <= 1 << 16 else np.uint32
-    tmp_bin, tmp_json = (folder / f"{name}.tmp{os.getpid()}" for name in ("tokens.bin",
-                                                                          "tokens.json"))
+    tmp_bin, tmp_json, tmp_mask = (folder / f"{name}.tmp{os.getpid()}" for name in (
+        "tokens.bin", "tokens.json", "mask.bin"))
     n_tokens, n_docs, complete, batch, chars, t0 = 0, 0, True, [], 0, time.time()
     try:
-        with open(tmp_bin, "wb") as f:
-            for doc in itertools.chain(documents(tok, data, text_field), [None]):  # None: the end
+        with open(tmp_bin, "wb") as f, open(tmp_mask, "wb") as f_mask:
+            for doc in itertools.chain(documents(tok, data, text_field, assistant_only), [None]):
                 if doc is not None:
                     batch.append(doc)
                     chars += len(doc[0])
@@ -326,35 +328,42 @@ def write_token_file(tok, data, text_field, folder, need=None):
                         continue
                 if not batch:
                     break
-                ids = np.fromiter((t for enc in _encode(tok, batch) for t in enc), dtype=np.int64)
+                encoded = _encode(tok, batch)
+                ids = np.fromiter((t for enc in encoded for t in enc), dtype=np.int64)
                 if need is not None and n_tokens + len(ids) >= need:
                     ids, complete = ids[: need - n_tokens], False  # reading stops here
                 ids.astype(dtype).tofile(f)
+                if assistant_only:  # 1: a token the loss predicts (scale/data.py)
+                    from scale.data import loss_targets
+                    loss_targets(tok, batch, encoded)[:len(ids)].tofile(f_mask)
                 n_tokens, n_docs, batch, chars = n_tokens + len(ids), n_docs + len(batch), [], 0
                 if not complete:
                     break
     except BaseException:
-        tmp_bin.unlink(missing_ok=True)  # a bad line, an interrupt: no half-written file stays
+        for tmp in (tmp_bin, tmp_mask):  # a bad line, an interrupt: no half-written file stays
+            tmp.unlink(missing_ok=True)
         raise
     if n_tokens == 0:
-        tmp_bin.unlink()
+        tmp_bin.unlink(), tmp_mask.unlink()
         raise E3Error(f"no text found in '{data or default_corpus()}'; pass --data with a "
                       f"non-empty corpus")
     meta = {"format": "e3-tokens/1", "tokenizer": tokenizer_fingerprint(tok),
             "corpus": corpus_fingerprint(data), "data": str(data or default_corpus()),
             "text_field": text_field, "dtype": np.dtype(dtype).name, "tokens": n_tokens,
-            "documents": n_docs, "complete": complete}
+            "documents": n_docs, "complete": complete, "assistant_only": assistant_only}
     tmp_json.write_text(json.dumps(meta, indent=1) + "\n")
     os.replace(tmp_bin, folder / "tokens.bin")
+    os.replace(tmp_mask, folder / "mask.bin") if assistant_only else tmp_mask.unlink()
     os.replace(tmp_json, folder / "tokens.json")
     print0(f"tokenised {n_tokens} tokens of {n_docs} documents into {folder} "
            f"({time.time() - t0:.1f}s)")
 
 
-def token_file(tok, data=None, text_field="text", need=None):
+def token_file(tok, data=None, text_field="text", need=None, assistant_only=False):
     """The token file of --data for this tokenizer holding the whole corpus or at least `need`
     tokens: reused if there, else written (under torchrun by rank 0 while the others wait)."""
-    key = json.dumps([tokenizer_fingerprint(tok), corpus_fingerprint(data), text_field])
+    key = json.dumps([tokenizer_fingerprint(tok), corpus_fingerprint(data), text_field]
+                     + ["assistant-only"] * assistant_only)
     folder = TOKEN_DIR / hashlib.sha256(key.encode()).hexdigest()[:16]
     meta = folder / "tokens.json"
     serves = meta.exists() and (json.loads(meta.read_text())["complete"] or need is not None
@@ -362,7 +371,7 @@ def token_file(tok, data=None, text_field="text", need=None):
     problem = None
     if rank_and_world()[0] == 0 and not serves:
         try:
-            write_token_file(tok, data, text_field, folder, need)
+            write_token_file(tok, data, text_field, folder, need, assistant_only)
         except E3Error as e:
             problem = str(e)
     if problem := all_gather(problem)[0]:  # rank 0's outcome: every rank stops, or none does
@@ -403,7 +412,7 @@ class Blocks:
 
 
 def corpus_blocks(tok, data=None, seq_len=512, max_tokens=None, val_frac=DEFAULT_VAL_FRAC,
-                  max_val_tokens=None, text_field="text"):
+                  max_val_tokens=None, text_field="text", assistant_only=False):
     """{"train": Blocks, "val": Blocks}: up to max_tokens of training blocks from the start of the
     stream, up to max_val_tokens of held-out blocks from its end (the split above)."""
     need = None
@@ -412,7 +421,7 @@ def corpus_blocks(tok, data=None, seq_len=512, max_tokens=None, val_frac=DEFAULT
                                                 / (1 - val_frac)))
     elif max_tokens:
         need = max_tokens
-    tokens = token_file(tok, data, text_field, need)
+    tokens = token_file(tok, data, text_field, need, assistant_only)
     n_train, n_val = split(min(tokens.n_tokens, need or tokens.n_tokens), seq_len, val_frac)
     return {"train": Blocks(tokens, 0, min(n_train, max_tokens or n_train) // seq_len, seq_len),
             "val": Blocks(tokens, n_train, min(n_val, max_val_tokens or n_val) // seq_len, seq_len)}
@@ -425,9 +434,11 @@ def all_blocks(tok, data, seq_len, max_tokens=None, text_field="text"):
     return Blocks(tokens, 0, n, seq_len)[:n]
 
 
-def checked_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val_tokens):
+def checked_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val_tokens,
+                   assistant_only=False):
     """corpus_blocks, refusing (with the flag to raise) a split that would be empty."""
-    blocks = corpus_blocks(tok, data, seq_len, max_tokens, val_frac, max_val_tokens, text_field)
+    blocks = corpus_blocks(tok, data, seq_len, max_tokens, val_frac, max_val_tokens, text_field,
+                           assistant_only)
     if len(blocks["train"]) == 0:
         raise E3Error(f"--max-tokens {max_tokens} is less than one --seq-len {seq_len} block; "
                       f"raise it")
@@ -440,13 +451,14 @@ def checked_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val
 # -----------------------------------------------------------------------------
 # The targets
 
-def storage_dtypes(vocab, targets="topk"):
+def storage_dtypes(vocab, targets="topk", assistant_only=False):
     ids = torch.uint16 if vocab <= 65536 else torch.int32
+    mask = {"loss_mask": torch.uint8} if assistant_only else {}  # which positions the loss counts
     if targets == "sampled":
-        return {"input_ids": ids, "sample_ids": ids, "entropy": torch.float32}
+        return {"input_ids": ids, "sample_ids": ids, "entropy": torch.float32, **mask}
     # fp16 log-probs: the KD loss moves by ~2e-5 relative (tests/test_cache_teacher.py)
     return {"input_ids": ids, "topk_ids": ids, "topk_logprobs": torch.float16,
-            "entropy": torch.float32}
+            "entropy": torch.float32, **mask}
 
 
 
@@ -454,10 +466,9 @@ def storage_dtypes(vocab, targets="topk"):
 def teacher_targets(model, input_ids, vocab, topk, logit_chunk=0, samples=0, generator=None):
     """input_ids (B, T) -> topk_ids, topk_logprobs (B, T, K) and entropy (B, T) from the model's own
     logits, log-softmax in fp32 a slice of tokens at a time. samples > 0: instead of the top-K,
-    sample_ids (B, T, samples), that many draws a position from the teacher's softmax (`generator`,
-    on the model's device). logit_chunk > 0: the logits are made from the last layer's output that many tokens at a time,
-    never (B, T, V) at once (the scale wing: a 152K vocabulary at 4096 tokens is 2.5 GB a sequence
-    in fp32)."""
+    sample_ids (B, T, samples) drawn from the teacher's softmax (`generator`, on its device).
+    logit_chunk > 0: the logits made from the last layer's output that many tokens at a time, never
+    (B, T, V) at once (the scale wing: a 152K vocabulary at 4096 tokens is 2.5 GB a sequence)."""
     if logit_chunk:
         from scale.fused_loss import chunked_logits
         logits, (B, T) = chunked_logits(model, input_ids, logit_chunk), input_ids.shape
@@ -501,7 +512,8 @@ class ShardWriter:
 
     def __init__(self, identity):
         self.metadata = {"e3_identity": json.dumps(identity, sort_keys=True)}
-        self.dtypes = storage_dtypes(identity["vocab_size"], identity.get("targets", "topk"))
+        self.dtypes = storage_dtypes(identity["vocab_size"], identity.get("targets", "topk"),
+                                     identity.get("assistant_only", False))
         self.delay = float(os.environ.get("E3_CACHE_SHARD_DELAY", 0))  # the kill-and-rerun test's
         self.queue, self.error = queue.Queue(maxsize=2), None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -534,13 +546,13 @@ class ShardWriter:
 
 
 def compute_shards(model, jobs, out, identity, batch_size, bar=None, logit_chunk=0):
-    """Compute and save the shards `jobs`, ((split, j), input_ids (n, T)) pairs; returns the tokens
-    done. Batches never straddle shards."""
+    """Compute and save the shards `jobs`, ((split, j), input_ids (n, T), {name: (n, T) tensor}
+    stored beside them) triples; returns the tokens done. Batches never straddle shards."""
     vocab, topk, samples = identity["vocab_size"], identity["topk"], identity.get("samples", 0)
     device = next(model.parameters()).device
     writer, tokens = ShardWriter(identity), 0
     try:
-        for (split_name, j), seqs in jobs:
+        for (split_name, j), seqs, beside in jobs:
             parts, gen = [], shard_generator(identity, split_name, j, device)
             for batch in seqs.split(batch_size):
                 targets = teacher_targets(model, batch.to(device), vocab, topk, logit_chunk,
@@ -551,7 +563,7 @@ def compute_shards(model, jobs, out, identity, batch_size, bar=None, logit_chunk
                     bar.update(batch.numel())
             # the next shard's forwards start while this one is written
             writer.put(Path(out) / shard_name(split_name, j),
-                       {"input_ids": seqs,
+                       {"input_ids": seqs, **beside,
                         **{k: torch.cat([p[k] for p in parts]) for k in parts[0]}})
     finally:
         writer.close()  # also on error: the shards already queued still reach the disk
@@ -602,12 +614,12 @@ def _shard_done(path, identity, input_ids):
 def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, seq_len=512,
                 max_tokens=None, val_frac=DEFAULT_VAL_FRAC, max_val_tokens=None, text_field="text",
                 batch_size=8, shard_seqs=64, device=None, shard_teacher=False, logit_chunk=0,
-                targets="topk", samples=12, sample_seed=0):
+                targets="topk", samples=12, sample_seed=0, assistant_only=False):
     """Build (or finish) the teacher cache in `out` and return its path: nothing to do when the
     same complete cache is there; E3Error when `out` holds another. targets: "topk" (K = topk, the
-    paper's) or "sampled" (`samples` draws a position, seeded by sample_seed). Under torchrun every rank calls
-    it. shard_teacher: the teacher FSDP2-sharded over the ranks (scale/teacher.py), each rank still
-    running its own batches; the cache is the same either way."""
+    paper's) or "sampled" (`samples` draws a position, seeded by sample_seed); assistant_only: a
+    loss mask too (scale/data.py). Under torchrun every rank calls it. shard_teacher: the teacher
+    FSDP2-sharded over the ranks (scale/teacher.py), each rank still running its own batches."""
     from transformers import AutoTokenizer
     rank, world = rank_and_world()
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -622,7 +634,8 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
         raise
     vocab = vocab_size(tok)
     max_val_tokens = max_val_tokens or VAL_SEQS * seq_len
-    blocks = checked_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val_tokens)
+    blocks = checked_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val_tokens,
+                            assistant_only)
     # rank 0 hashes the token blocks; the others read only their own shards
     hashes = all_gather({s: b.sha256() for s, b in blocks.items()} if rank == 0 else None)[0]
     identity = {  # everything the shards depend on: any difference makes `out` another cache
@@ -630,10 +643,14 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
         "tokenizer": tokenizer_fingerprint(tok), "vocab_size": vocab, "topk": topk,
         "seq_len": seq_len, "shard_seqs": shard_seqs,
         "dtypes": {k: str(v).removeprefix("torch.")
-                   for k, v in storage_dtypes(vocab, targets).items()},
+                   for k, v in storage_dtypes(vocab, targets, assistant_only).items()},
         "sequences": {s: len(b) for s, b in blocks.items()}, "tokens_sha256": hashes}
     if targets == "sampled":  # (a top-K cache's identity is as it always was)
         identity.update(topk=None, targets="sampled", samples=samples, sample_seed=sample_seed)
+    masks = lambda blocks, rows: {}  # nothing stored beside the ids: every position counts
+    if assistant_only:  # which do, stored beside the ids
+        identity["assistant_only"] = True
+        from scale.data import stored_mask as masks
     if _complete(out, identity):
         print0(f"teacher cache '{out}' is complete; nothing to do")
         return str(out)
@@ -654,7 +671,8 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
     elif todo:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = load_model(model_name, device, dtype)[0].eval()
-        jobs = ((job, blocks[job[0]][shards[job]]) for job in todo)  # each read when its turn comes
+        jobs = ((job, blocks[job[0]][shards[job]], masks(blocks[job[0]], shards[job]))
+                for job in todo)  # each read when its turn comes
         total = sum(len(shards[job]) for job in todo) * seq_len
         with tqdm(total=total, unit="tok", unit_scale=True, desc="teacher targets",
                   disable=rank != 0) as bar:
@@ -699,7 +717,7 @@ class TeacherCache:
     torchrun). `get` memory-maps only the rows it is asked for."""
 
     OUT_DTYPES = {"input_ids": torch.int64, "topk_ids": torch.int64, "topk_logprobs": torch.float32,
-                  "sample_ids": torch.int64, "entropy": torch.float32}
+                  "sample_ids": torch.int64, "entropy": torch.float32, "loss_mask": torch.bool}
 
     def __init__(self, path, tokenizer, seq_len=None, topk=None):
         self.path = Path(path)
@@ -747,16 +765,16 @@ class TeacherCache:
 
     def get(self, indices, split_name="train"):
         """Rows `indices` of a split, any order: input_ids (n,T) int64, topk_ids (n,T,K) int64 and
-        topk_logprobs (n,T,K) fp32 (a sampled cache: sample_ids (n,T,N)), entropy (n,T) fp32, and
-        "targets", the kind (kd.TARGETS)."""
+        topk_logprobs (n,T,K) fp32 (a sampled cache: sample_ids (n,T,N)), entropy (n,T) fp32,
+        loss_mask (n,T) bool if the cache has one (--assistant-only) and "targets" (kd.TARGETS)."""
         indices = torch.as_tensor(indices, dtype=torch.long).reshape(-1).tolist()
         n, T, K, S = len(indices), self.seq_len, self.topk or self.samples, self.meta["shard_seqs"]
         if any(not 0 <= i < self.len_split(split_name) for i in indices):
             raise IndexError(f"sequence index out of range for the {self.len_split(split_name)} "
                              f"'{split_name}' sequences")
-        stored = storage_dtypes(self.vocab_size, self.targets)
-        batch = {k: torch.empty((n, T, K) if k not in ("input_ids", "entropy") else (n, T),
-                                dtype=self.OUT_DTYPES[k]) for k in stored}
+        stored = storage_dtypes(self.vocab_size, self.targets, self.meta.get("assistant_only"))
+        batch = {k: torch.empty((n, T, K)[:2 if k in ("input_ids", "entropy", "loss_mask") else 3],
+                                dtype=self.OUT_DTYPES[k]) for k in stored}  # targets: (n, T, K)
         rows_of = {}  # grouped by shard: each file opened once a call
         for pos, i in enumerate(indices):
             rows_of.setdefault(i // S, []).append((pos, i % S))
@@ -785,6 +803,7 @@ def main():
     p.add_argument("--topk", type=int, default=10, help="K teacher tokens kept per position")
     p.add_argument("--samples", type=int, default=12, help="draws per position (--targets sampled)")
     p.add_argument("--sample-seed", type=int, default=0, help="the draws' seed (--targets sampled)")
+    p.add_argument("--assistant-only", action="store_true", help="chats: loss on the reply only")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per packed sequence")
     p.add_argument("--max-tokens", type=int, default=None,
                    help=f"cap on training tokens (default: the whole split; {DEMO_TOKENS} for "
@@ -811,7 +830,7 @@ def main():
     build_cache(args.model, args.data, args.out, args.topk, args.seq_len, args.max_tokens,
                 args.val_frac, args.max_val_tokens, args.text_field, args.batch_size,
                 args.shard_seqs, device, args.shard_teacher, args.logit_chunk, args.targets,
-                args.samples, args.sample_seed)
+                args.samples, args.sample_seed, args.assistant_only)
 
 
 if __name__ == "__main__":

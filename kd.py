@@ -11,9 +11,10 @@ FULL softmax (cache_teacher.py), and the student's log p_s = log_softmax(z_s), i
     akd:  L = 1/N sum_i H_t(i) L_token(i),  H_t the teacher's entropy   (eq. 13)
     sft:  L = 1/N sum_i -log p_s,i(x_{i+1})                             next-token cross-entropy
 
-N counts the valid (non-padding) tokens. With K = V, L_token is the full KL(p_t || p_s). Each token's
-sum runs over the teacher's top K only: the loss has no term for the student's mass on the other
-V - K tokens, and its minimum, p_s,c = p_t,c / sum_K p_t, puts none there.
+N counts the positions that count: not padding, and in a cache built --assistant-only only those
+whose next token is the assistant's (kd.positions). With K = V, L_token is the full KL(p_t || p_s).
+Each token's sum runs over the teacher's top K only: the loss has no term for the student's mass
+on the other V - K tokens, and its minimum, p_s,c = p_t,c / sum_K p_t, puts none there.
 
 Beyond the paper, targets without that bias (kd.TARGETS; each batch's "targets" names its kind):
   tail     K + 1 classes: the top-K and the rest lumped, 1 - sum_K p_t against the student's own
@@ -39,6 +40,13 @@ def masked_mean(x, mask=None):
         return x.mean()
     mask = mask.bool()
     return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def positions(batch):
+    """Which positions' losses count, (B, T) bool, or None for all: not padding ("mask"), and
+    those whose next token the loss predicts ("loss_mask": a chat's assistant turns)."""
+    masks = [batch[k].bool() for k in ("mask", "loss_mask") if batch.get(k) is not None]
+    return masks[0] & masks[-1] if masks else None
 
 
 def token_kl(student_logits, topk_ids, topk_logprobs):
@@ -90,7 +98,7 @@ def kd_loss(student_logits, batch, weighted):
     per_token = TARGETS[batch.get("targets", "topk")](student_logits, batch)
     if weighted:
         per_token = per_token * batch["entropy"].float()
-    return masked_mean(per_token, batch.get("mask"))
+    return masked_mean(per_token, positions(batch))
 
 
 def topk_kd_loss(student_logits, topk_ids, topk_logprobs, entropy=None, mask=None):
@@ -100,16 +108,20 @@ def topk_kd_loss(student_logits, topk_ids, topk_logprobs, entropy=None, mask=Non
     return kd_loss(student_logits, batch, weighted=entropy is not None)
 
 
-def next_token_loss(logits, input_ids, mask=None):
-    """Cross-entropy of position t on token t + 1 (the last position has no next token)."""
+def next_token_loss(logits, input_ids, mask=None, loss_mask=None):
+    """Cross-entropy of position t on token t + 1 (the last position has no next token); mask:
+    padding (both tokens must be real), loss_mask: the positions that count (kd.positions)."""
     logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
     nll = -logp.gather(-1, input_ids[:, 1:, None])[..., 0]
-    return masked_mean(nll, None if mask is None else mask[:, :-1].bool() & mask[:, 1:].bool())
+    return masked_mean(nll, positions({
+        "mask": None if mask is None else mask[:, :-1].bool() & mask[:, 1:].bool(),
+        "loss_mask": None if loss_mask is None else loss_mask[:, :-1]}))
 
 
 # --loss NAME: a function of the student's logits (B, T, V) and a batch of the teacher cache
 LOSSES = {
     "akd": lambda logits, b: kd_loss(logits, b, weighted=True),
     "kd": lambda logits, b: kd_loss(logits, b, weighted=False),
-    "sft": lambda logits, b: next_token_loss(logits, b["input_ids"], b.get("mask")),
+    "sft": lambda logits, b: next_token_loss(logits, b["input_ids"], b.get("mask"),
+                                             b.get("loss_mask")),
 }

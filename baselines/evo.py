@@ -29,6 +29,7 @@ from contextlib import contextmanager
 
 import torch
 
+import kd
 from cache_teacher import E3Error, print0
 from surgery import LayerSearch, layer_configs, layers_owner, remove_layers, top_k_layers
 
@@ -76,7 +77,7 @@ def fitness(model, batches, kept, losses):
     try:
         with only_layers(model, kept):
             for b in batches:
-                n = int(b["mask"].sum())
+                n = int(kd.positions(b).sum())  # the tokens the mean is over
                 (kl,) = losses(model, {key: v.to(dev) if torch.is_tensor(v) else v
                                        for key, v in b.items()}, ["kd"])
                 total, count = total + kl.double().item() * n, count + n  # the mean, times n

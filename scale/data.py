@@ -3,18 +3,22 @@ Corpus formats beyond plain text, read lazily: cache_teacher.documents imports t
 .jsonl or .parquet file is in --data.
 
   .jsonl     one document a line: its --text-field, or a chat `messages` list rendered by the
-             tokenizer's chat template (special tokens included; cache_teacher adds no EOS after it)
+             tokenizer's chat template (special tokens included; cache_teacher adds no EOS after it);
+             with --assistant-only the loss counts only the assistant's tokens (assistant_spans)
   .parquet   its --text-field column (FineWeb-Edu's layout), a file or a folder of shards, a row
              group at a time; needs pyarrow (pip install pyarrow)
 """
 import json
 
+import numpy as np
+import torch
+
 from cache_teacher import E3Error
 
 
-def jsonl_documents(path, text_field, tok):
-    """(text, True) for each line's `text_field`, or (the rendered chat, False) for a line with a
-    'messages' list instead."""
+def jsonl_documents(path, text_field, tok, assistant_only=False):
+    """(text, True, None) for each line's `text_field`, or (the rendered chat, False, spans) for a
+    line with a 'messages' list instead; spans: the assistant's (assistant_only), else None."""
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -22,9 +26,11 @@ def jsonl_documents(path, text_field, tok):
             try:
                 obj = json.loads(line)
                 if text_field not in obj and isinstance(obj.get("messages"), list):
-                    yield render_chat(tok, obj["messages"], f"{path}:{n}"), False
+                    text = render_chat(tok, obj["messages"], f"{path}:{n}")
+                    yield text, False, (assistant_spans(tok, obj["messages"], text, f"{path}:{n}")
+                                        if assistant_only else None)
                 else:
-                    yield obj[text_field], True
+                    yield obj[text_field], True, None
             except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
                 raise E3Error(f"{path}:{n} is not a JSON object with a '{text_field}' field or a "
                               f"'messages' list; fix the line or pass --text-field") from None
@@ -39,8 +45,64 @@ def render_chat(tok, messages, where):
     return tok.apply_chat_template(messages, tokenize=False)
 
 
+def assistant_spans(tok, messages, text, where):
+    """The character spans of `text` (the rendered chat) that the assistant wrote, for a loss on
+    them alone: each assistant turn from where the template's generation prompt ends (the turn's
+    header is the prompt's) to where the turn's own rendering ends (its end-of-turn marker
+    included: the student learns to stop). Found by rendering the conversation's prefixes, which a
+    template must write as prefixes of the whole; one that rewrites earlier turns once later ones
+    follow (Qwen3 drops their reasoning) is refused, with the way out."""
+    spans = []
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        if i == 0:
+            raise E3Error(f"{where}: the chat opens with the assistant's turn: no prompt tells it "
+                          f"from the rest; drop that turn or pass no --assistant-only")
+        prompt = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        turn = tok.apply_chat_template(messages[:i + 1], tokenize=False)
+        if not (turn.startswith(prompt) and text.startswith(turn)):
+            raise E3Error(f"{where}: the chat template renders this conversation's first {i + 1} "
+                          f"turns other than as the start of the whole (it rewrites earlier turns), "
+                          f"so the assistant's tokens cannot be told; put each assistant turn on a "
+                          f"line of its own (with the turns before it), or pass no --assistant-only")
+        spans.append((len(prompt), len(turn)))
+    return spans
+
+
+def loss_targets(tok, batch, encoded):
+    """For the token file's mask.bin: 1 for each id of `encoded` (cache_teacher._encode of `batch`)
+    that the loss predicts, else 0: every id of a plain text; a chat's ids whose first character
+    lies in one of its assistant spans, told by the fast tokenizer's offsets (the same ids)."""
+    out = []
+    for (text, plain, spans), ids in zip(batch, encoded):
+        if plain:
+            out += [1] * len(ids)
+            continue
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        assert enc["input_ids"] == ids, "the offsets' encoding differs from the token file's"
+        out += [int(any(a <= start < b for a, b in spans)) for start, _ in enc["offset_mapping"]]
+    return np.array(out, dtype=np.uint8)
+
+
+def stored_mask(blocks, rows):
+    """cache_teacher.Blocks rows -> {"loss_mask": (n, T) bool}, stored beside their ids: True at a
+    position whose next token the loss predicts (position i's target is token i + 1 of the stream;
+    the stream's last position has none); {} for a token file written without --assistant-only."""
+    if not blocks.tokens.meta.get("assistant_only"):
+        return {}
+    a, b, _ = slice(rows.start, rows.stop).indices(blocks.n)
+    T, n_tokens = blocks.seq_len, blocks.tokens.n_tokens
+    start, stop = blocks.start + a * T, blocks.start + max(a, b) * T
+    end = min(stop + 1, n_tokens)
+    mask = np.fromfile(blocks.tokens.folder / "mask.bin", np.uint8, end - start - 1,
+                       offset=start + 1)
+    return {"loss_mask": torch.nn.functional.pad(torch.from_numpy(mask.astype(bool)),
+                                                 (0, stop + 1 - end)).view(-1, T)}
+
+
 def parquet_documents(path, text_field):
-    """(text, True) for every row of the file's `text_field` column, one row group at a time."""
+    """(text, True, None) for every row of the file's `text_field` column, a row group at a time."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -52,4 +114,17 @@ def parquet_documents(path, text_field):
         raise E3Error(f"'{path}' has no column '{text_field}' (it has {names}); pass --text-field")
     for batch in f.iter_batches(batch_size=1024, columns=[text_field]):
         for text in batch.column(0).to_pylist():
-            yield text, True
+            yield text, True, None
+
+
+def micro_batch_weights(source, idx, n_micro, kind, world):
+    """prune.py's weight of each micro-batch in a step's loss over an --assistant-only cache: its
+    counted positions over the global batch's, times the ranks (FSDP averages them), so that the
+    step's loss is the mean over all of them (1 / n_micro, as for packed text, would make it the
+    mean of the micro-batches' means: an assistant token weighs more where there are few)."""
+    mask = source.get(idx)["loss_mask"][:, :-1 if kind == "sft" else None]  # sft: t + 1 in the row
+    counts = mask.reshape(n_micro, -1).sum(-1).double()
+    total = counts.sum()
+    if world > 1:
+        torch.distributed.all_reduce(total)
+    return (counts * world / total.clamp(min=1)).tolist()

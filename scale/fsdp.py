@@ -20,6 +20,7 @@ file is what keeps the memory of a rank down (each measured: docs/scale.md):
   release_freed_memory      glibc's mmap threshold fixed at 64 KB on a CPU: freed tensors go back
   drop_removed_layers       after the cut, the root forgets the removed layers' units
   full_state_dict           the whole fp32 state gathered onto rank 0's CPU a tensor at a time
+  meta_model                prune.py --plan RANKS: the model built from config.json alone, no memory
 
 In one process (prune.py --logit-chunk), parallelize applies only tied_lookup_adds_rows.
 """
@@ -286,3 +287,21 @@ def tied_lookup_adds_rows(model):
         return _LookupAddsRows.apply(anchor, (self.weight,), ids, self.padding_idx)
     embed.forward = types.MethodType(forward, embed)
     return model
+
+
+def meta_model(args):
+    """For prune.py --plan: the model (LoRA added as asked) on the meta device, shapes only (no
+    weights, no tokenizer), and the bytes a token of the teacher cache it would build."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
+    if args.lora_rank:
+        from scale.lora import add_lora
+        add_lora(model, args.lora_rank, args.lora_alpha, args.seed)
+    vocab = model.config.get_text_config().vocab_size
+    # a cache token: 1 + K ids (uint16 or int32), K fp16 log-probs, one fp32 entropy; sampled: 1 + N
+    # ids and the entropy; --assistant-only: one byte more, the loss mask
+    sampled = args.targets == "sampled"
+    K = args.samples if sampled else args.topk
+    per_token = (2 if vocab <= 65536 else 4) * (1 + K) + (0 if sampled else 2 * K) + 4
+    return model, per_token + bool(args.assistant_only)

@@ -17,6 +17,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+import kd
 from architectures.logits import logit_transform, model_logits
 from cache_teacher import E3Error
 from scale.vocab_parallel import VocabShard
@@ -161,7 +162,7 @@ class _HeadTokenLosses(torch.autograd.Function):
 
 
 def head_kd_loss(hidden, weight, bias, topk_ids, topk_logprobs, entropy=None, mask=None,
-                 post=None, vocab=None, chunk_tokens=256, tail=False):
+                 post=None, vocab=None, chunk_tokens=256, tail=False, scale=1.0):
     """The top-K KD loss, a scalar: eq. 12 (entropy None: kd) or eq. 13 (entropy (B, T) = H_t: akd)
     of the student logits z = post(hidden W^T + b)[..., :vocab], which are never made whole.
     hidden (B, T, d); the head's weight (V, d) and bias (V) or None; topk_ids, topk_logprobs
@@ -171,7 +172,8 @@ def head_kd_loss(hidden, weight, bias, topk_ids, topk_logprobs, entropy=None, ma
     is tight, raise it for GPU throughput (each chunk reads W once). Logits given directly: pass
     them as `hidden` with an identity `weight`. W (and b) may be DTensors sharded by rows
     (vocab_parallel.py): then every rank must call this alike (with or without grad), and
-    gets its own tokens' loss."""
+    gets its own tokens' loss. scale: a factor on the loss, inside the token weights (prune.py's
+    micro-batch weights may differ between ranks; the head's gradient sums every rank's tokens)."""
     d = hidden.shape[-1]
     h = hidden.reshape(-1, d)
     ids = topk_ids.reshape(-1, topk_ids.shape[-1]).long()
@@ -189,7 +191,7 @@ def head_kd_loss(hidden, weight, bias, topk_ids, topk_logprobs, entropy=None, ma
     if vocab is not None and vocab < rows.start + weight.shape[0]:
         top = max(vocab - rows.start, 0)
         weight, bias = weight[:top], bias[:top] if bias is not None else None
-    w = w / max(h.shape[0], 1)  # 1/N over the valid tokens; none (all padding) gives 0
+    w = w * scale / max(h.shape[0], 1)  # 1/N over the valid tokens; none (all padding) gives 0
     post = post or (lambda z: z)
     chunk = chunk_tokens * rows.world  # every rank's tokens x V / world rows: chunk_tokens x V
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
@@ -203,14 +205,17 @@ def head_kd_loss(hidden, weight, bias, topk_ids, topk_logprobs, entropy=None, ma
     return (w * losses[rows.own]).sum()
 
 
-def next_token_targets(input_ids, mask=None):
+def next_token_targets(input_ids, mask=None, loss_mask=None):
     """Cross-entropy as a top-1 KD target: c = the next token, log p_t,c = 0 (ids, log-probs, and
-    which positions count: not the last, which has no next token, nor padding)."""
+    which positions count: not the last, which has no next token, nor padding, nor one loss_mask
+    leaves out)."""
     ids = input_ids.roll(-1, dims=1)[..., None]
     valid = torch.ones_like(input_ids, dtype=torch.bool)
     valid[:, -1] = False
     if mask is not None:
         valid &= mask.bool() & mask.bool().roll(-1, dims=1)
+    if loss_mask is not None:
+        valid &= loss_mask.bool()
     return ids, torch.zeros(ids.shape, dtype=torch.float32, device=ids.device), valid
 
 
@@ -337,20 +342,21 @@ def _loss_fn(kind, batch, vocab, chunk):
     """The fused form of kd.LOSSES[kind]: fn(x, W, b, post) -> the loss, for head_losses."""
     targets, tail = batch.get("targets", "topk"), False
     if kind == "sft":
-        ids, logprobs, mask = next_token_targets(batch["input_ids"], batch.get("mask"))
+        ids, logprobs, mask = next_token_targets(batch["input_ids"], batch.get("mask"),
+                                                 batch.get("loss_mask"))
         entropy = None
     elif kind in ("kd", "akd") and targets in ("topk", "tail", "sampled"):
         if targets == "sampled":  # each drawn token once, with its share of the draws
             ids, logprobs = distinct_draws(batch["sample_ids"])
         else:
             ids, logprobs, tail = batch["topk_ids"], batch["topk_logprobs"], targets == "tail"
-        mask, entropy = batch.get("mask"), batch["entropy"] if kind == "akd" else None
+        mask, entropy = kd.positions(batch), batch["entropy"] if kind == "akd" else None
     else:
         raise E3Error(f"the fused LM head implements the losses akd, kd and sft over top-K, tail "
                       f"or sampled targets, not '{kind}' over '{targets}'; run with --logit-chunk 0 "
                       f"(the plain logits path, kd.py), or teach scale/fused_loss.py the new loss")
     return lambda x, W, b, post: head_kd_loss(x, W, b, ids, logprobs, entropy, mask, post, vocab,
-                                              chunk, tail)
+                                              chunk, tail, batch.get("weight", 1.0))
 
 
 class FusedLoss:

@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from cache_teacher import all_gather, compute_shards, load_model, teacher_targets
+from scale.data import stored_mask
 from scale.fsdp import parallelize
 
 
@@ -43,7 +44,8 @@ def compute_shards_sharded(model_name, device, todo, shards, blocks, out, identi
     if max(batches) == 0:
         return 0
     model = load_sharded_teacher(model_name, device)
-    jobs = ((job, blocks[job[0]][shards[job]]) for job in todo)
+    jobs = ((job, blocks[job[0]][shards[job]], stored_mask(blocks[job[0]], shards[job]))
+            for job in todo)
     total = sum(len(shards[job]) for job in todo) * identity["seq_len"]
     with tqdm(total=total, unit="tok", unit_scale=True, desc="teacher targets",
               disable=rank != 0) as bar:

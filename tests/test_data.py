@@ -142,7 +142,7 @@ def test_max_tokens_stops_reading(tokenizer, tmp_path, monkeypatch):
     assert torch.equal(blocks["train"][:125].flatten(), train[:budget])
     assert torch.equal(blocks["val"][:len(blocks["val"])].flatten(), val[:len(val) // 16 * 16])
     # one batch of documents (BATCH_CHARS) past the ~N tokens at most, a small part of the corpus
-    read_chars = sum(len(t) for t, _ in read)
+    read_chars = sum(len(doc[0]) for doc in read)
     assert read_chars <= data.BATCH_CHARS + 2 * 4 * N, read_chars
     assert len(read) < len(docs) / 2, len(read)
     meta = json.loads(next(data.TOKEN_DIR.glob("*/tokens.json")).read_text())
