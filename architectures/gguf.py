@@ -19,6 +19,9 @@ the order, the file says it; where it cannot (architectures/engines.py), it prin
   Gemma-2/3's query scale    llama.cpp scales attention by query_pre_attn_scalar only for the 27B
                              layer count (62, 46); otherwise by the head size: the difference is
                              folded into the query (Gemma-3's q_norm weight, Gemma-2's q weight)
+  Cohere2's rotary_pct       the converter reads a key transformers 5 no longer saves: it is given
+                             a config with it (OLD_KEYS). (GPT-NeoX's is dropped by AutoConfig
+                             itself, which the converter reads through; GPT-2's GGUF does not load)
 
 The llama.cpp tree: --llama-cpp DIR (a checkout), else the source package llama-cpp-python, which
 vendors the whole tree, fetched once with pip into ~/.cache/e3-pruner/ (nothing prebuilt). A
@@ -45,6 +48,27 @@ LLAMA_CPP_PACKAGE = "llama-cpp-python==0.3.36"
 SWA_PERIOD = {"gemma3": 6, "gemma2": 2, "gpt-oss": 2, "cohere2": 4}
 # the layer count at which llama.cpp scales Gemma's attention by query_pre_attn_scalar (27B)
 GEMMA_27B_LAYERS = {"gemma3": 62, "gemma2": 46}
+# key llama.cpp's converter reads -> (the key transformers 5 saves instead, its default if absent)
+OLD_KEYS = {"rotary_pct": ("partial_rotary_factor", 1.0)}
+OLD_KEY_FAMILIES = {"cohere2": ["rotary_pct"]}
+
+
+def converter_input(export, folder):
+    """The folder llama.cpp's converter reads: the export itself, or, for a family whose config
+    lacks a key the converter still reads under its old name, links to its files beside a
+    config.json that has it too (the value of the key that replaced it)."""
+    cfg = json.loads((Path(export) / "config.json").read_text())
+    missing = [k for k in OLD_KEY_FAMILIES.get(cfg.get("model_type"), []) if k not in cfg]
+    if not missing:
+        return Path(export)
+    for f in Path(export).iterdir():
+        if f.name != "config.json":
+            (Path(folder) / f.name).symlink_to(f.resolve())
+    for key in missing:
+        new, default = OLD_KEYS[key]
+        cfg[key] = cfg.get(new, default)
+    (Path(folder) / "config.json").write_text(json.dumps(cfg, indent=1))
+    return Path(folder)
 
 
 def text_config(export):
@@ -55,7 +79,7 @@ def text_config(export):
 def per_layer_keys(arch, cfg):
     """{GGUF key: value} to add for the export's text config `cfg` (keys the converter left out)."""
     import gguf
-    k, keys = cfg["num_hidden_layers"], {}
+    k, keys = cfg.get("num_hidden_layers", cfg.get("n_layer")), {}  # GPT-2: n_layer
     types = cfg.get("layer_types")
     if arch in SWA_PERIOD and types:
         sliding = [t == "sliding_attention" for t in types]
@@ -180,7 +204,9 @@ def convert(export, out=None, outtype="f16", quantize=None, llama_cpp=None):
             print0(f"warning: {note}")
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         raw, fixed = Path(tmp) / "converted.gguf", Path(tmp) / "fixed.gguf"
-        done = subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(export),
+        (Path(tmp) / "input").mkdir()
+        source = converter_input(export, Path(tmp) / "input")
+        done = subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(source),
                                "--outtype", outtype, "--outfile", str(raw)],
                               capture_output=True, text=True)
         if done.returncode:  # the converter's own words: a family or a setting it does not take

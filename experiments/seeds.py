@@ -141,7 +141,8 @@ def table(results_dir=RESULTS):
             runs = [by[m][s] for s in sorted(by[m])]
             cells = [fmt([r["corpora"][c][stat] for r in runs if c in r["corpora"]], spec)
                      for c in corpora]
-            lines.append(f"| {LABELS.get(m, m)} | {','.join(map(str, sorted(by[m])))} | "
+            label = LABELS.get(m.removesuffix(budget), m) + (", 4x tokens" if budget else "")
+            lines.append(f"| {label} | {','.join(map(str, sorted(by[m])))} | "
                          + " | ".join(cells) + " |")
         lines.append("")
     paired = []
@@ -194,7 +195,8 @@ def targets_table(results_dir=RESULTS, budget=""):
             seeds = [s for s in sorted(by[m]) if s in ref and c in ref[s]["corpora"]]
             ratio = statistics.mean(by[m][s]["corpora"][c]["kl"] / ref[s]["corpora"][c]["kl"]
                                     for s in seeds) if seeds else math.nan
-            lines.append(f"| {LABELS.get(m, m)} | {','.join(map(str, sorted(by[m])))} | "
+            label = LABELS.get(m.removesuffix(budget), m) + (", 4x tokens" if budget else "")
+            lines.append(f"| {label} | {','.join(map(str, sorted(by[m])))} | "
                          f"{mean('kl'):.4f} | {ratio:.3f} | {mean('ppl'):.2f} | {mean('top1'):.4f} | "
                          f"{mean('tail'):.3f} ({mean('teacher_tail'):.3f}) | {mean('ece'):.4f} |")
         lines.append("")

@@ -184,3 +184,23 @@ def test_gemma3_period_setting_follows_the_kept_order(tmp_path, tokenizer):
     assert saved["layer_types"][3] == saved["layer_types"][7] == "full_attention"
     # transformers 5 saves the period under its private name
     assert saved.get("_sliding_window_pattern", saved.get("sliding_window_pattern")) == 4
+
+
+def test_the_converter_gets_the_keys_it_reads_under_old_names(tmp_path):
+    """llama.cpp's Cohere2 converter reads rotary_pct, which transformers 5 no longer saves: the
+    converter is given a config that has it (the export's files linked beside it, the export left
+    as it is); a family whose config has all it reads converts from the export itself."""
+    from architectures.gguf import converter_input
+    export = tmp_path / "cohere2"
+    export.mkdir()
+    cfg = {"model_type": "cohere2", "hidden_size": 64, "num_hidden_layers": 2}
+    (export / "config.json").write_text(json.dumps(cfg))
+    (export / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "in").mkdir()
+    folder = converter_input(export, tmp_path / "in")
+    assert folder == tmp_path / "in"
+    assert json.loads((folder / "config.json").read_text()) == {**cfg, "rotary_pct": 1.0}
+    assert (folder / "model.safetensors").read_bytes() == b"weights"
+    assert json.loads((export / "config.json").read_text()) == cfg  # the export untouched
+    (export / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    assert converter_input(export, tmp_path / "unused") == export
