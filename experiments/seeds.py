@@ -49,6 +49,11 @@ LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitr
              for t, name in (("topk", "top-10"), ("tail", "top-10 + tail"),
                              ("sampled8", "sampled N = 8"), ("sampled12", "sampled N = 12"),
                              ("sampled24", "sampled N = 24"), ("full", "full-vocabulary"))
+             for loss in ("kd", "akd")},
+          **{f"{t}-{loss}-4x": f"{name} {loss.upper()} (KL one-shot's layers), 4x tokens"
+             for t, name in (("topk", "top-10"), ("tail", "top-10 + tail"),
+                             ("sampled8", "sampled N = 8"), ("sampled12", "sampled N = 12"),
+                             ("sampled24", "sampled N = 24"), ("full", "full-vocabulary"))
              for loss in ("kd", "akd")}}
 PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot"),
          ("e3-akd", "evo"), ("e3-calib-mix", "kl-calib-mix"),
@@ -62,7 +67,11 @@ PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot
          ("e3-akd-4x", "e3-akd"), ("kl-oneshot-4x", "kl-oneshot"),
          # each sparse target against the full-vocabulary reference, on the same layers and seeds
          ("topk-kd", "full-kd"), ("tail-kd", "full-kd"), ("sampled12-kd", "full-kd"),
-         ("kl-oneshot", "full-kd"), ("tail-akd", "full-kd"), ("sampled12-akd", "full-kd")]
+         ("kl-oneshot", "full-kd"), ("tail-akd", "full-kd"), ("sampled12-akd", "full-kd"),
+         ("sampled24-kd", "full-kd"), ("sampled24-kd", "sampled12-kd"),
+         # ... at 4x the tokens, and what 4x buys each target
+         ("sampled12-kd-4x", "full-kd-4x"), ("sampled12-kd-4x", "sampled12-kd"),
+         ("full-kd-4x", "full-kd")]
 
 
 def record(run_dir, method, seed, out, *evals):
@@ -141,7 +150,7 @@ def table(results_dir=RESULTS):
             runs = [by[m][s] for s in sorted(by[m])]
             cells = [fmt([r["corpora"][c][stat] for r in runs if c in r["corpora"]], spec)
                      for c in corpora]
-            label = LABELS.get(m.removesuffix(budget), m) + (", 4x tokens" if budget else "")
+            label = LABELS.get(m, m)
             lines.append(f"| {label} | {','.join(map(str, sorted(by[m])))} | "
                          + " | ".join(cells) + " |")
         lines.append("")
@@ -195,7 +204,7 @@ def targets_table(results_dir=RESULTS, budget=""):
             seeds = [s for s in sorted(by[m]) if s in ref and c in ref[s]["corpora"]]
             ratio = statistics.mean(by[m][s]["corpora"][c]["kl"] / ref[s]["corpora"][c]["kl"]
                                     for s in seeds) if seeds else math.nan
-            label = LABELS.get(m.removesuffix(budget), m) + (", 4x tokens" if budget else "")
+            label = LABELS.get(m, m)
             lines.append(f"| {label} | {','.join(map(str, sorted(by[m])))} | "
                          f"{mean('kl'):.4f} | {ratio:.3f} | {mean('ppl'):.2f} | {mean('top1'):.4f} | "
                          f"{mean('tail'):.3f} ({mean('teacher_tail'):.3f}) | {mean('ece'):.4f} |")
