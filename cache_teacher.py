@@ -32,10 +32,11 @@ What a cache folder holds: shards train-00000.safetensors, ..., val-00000.safete
 with uint16 ids) and meta.json, written last (it exists == the cache is complete), holding the
 identity (model, tokenizer, K, T, the tokens' hash), the kind of targets and each shard's size and
 sha256. --targets sampled stores N draws a position from the teacher's softmax instead of the top-K
-(sample_ids (n,T,N), seeded per shard: 30 bytes a token at N = 12; kd.py: an unbiased target). Under torchrun
-rank r computes the shards r, r + N, ...; batches never straddle shards, so the cache does not depend
-on the number of ranks. A shard is written under a temporary name and renamed: a killed run reruns
-the same command and computes only the missing shards.
+(30 bytes a token at N = 12), hybrid the top-K and N draws from the rest (62 at K = 8, N = 12):
+sample_ids (n,T,N), seeded per shard, unbiased targets (kd.py). Under torchrun rank r computes
+the shards r, r + N, ...; batches never straddle shards, so the cache does not depend on the number
+of ranks. A shard is written under a temporary name and renamed: a killed run reruns the same
+command and computes only the missing shards.
 """
 import argparse
 import hashlib
@@ -427,13 +428,6 @@ def corpus_blocks(tok, data=None, seq_len=512, max_tokens=None, val_frac=DEFAULT
             "val": Blocks(tokens, n_train, min(n_val, max_val_tokens or n_val) // seq_len, seq_len)}
 
 
-def all_blocks(tok, data, seq_len, max_tokens=None, text_field="text"):
-    """The first max_tokens of the stream (all of it when None) as an (n, seq_len) tensor."""
-    tokens = token_file(tok, data, text_field, max_tokens or None)
-    n = min(tokens.n_tokens, max_tokens or tokens.n_tokens) // seq_len
-    return Blocks(tokens, 0, n, seq_len)[:n]
-
-
 def checked_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val_tokens,
                    assistant_only=False):
     """corpus_blocks, refusing (with the flag to raise) a split that would be empty."""
@@ -454,19 +448,19 @@ def checked_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val
 def storage_dtypes(vocab, targets="topk", assistant_only=False):
     ids = torch.uint16 if vocab <= 65536 else torch.int32
     mask = {"loss_mask": torch.uint8} if assistant_only else {}  # which positions the loss counts
-    if targets == "sampled":
-        return {"input_ids": ids, "sample_ids": ids, "entropy": torch.float32, **mask}
     # fp16 log-probs: the KD loss moves by ~2e-5 relative (tests/test_cache_teacher.py)
-    return {"input_ids": ids, "topk_ids": ids, "topk_logprobs": torch.float16,
-            "entropy": torch.float32, **mask}
+    head = {"topk_ids": ids, "topk_logprobs": torch.float16} if targets != "sampled" else {}
+    draws = {"sample_ids": ids} if targets != "topk" else {}  # sampled, hybrid: the draws
+    return {"input_ids": ids, **head, **draws, "entropy": torch.float32, **mask}
 
 
 
 @torch.no_grad()
 def teacher_targets(model, input_ids, vocab, topk, logit_chunk=0, samples=0, generator=None):
     """input_ids (B, T) -> topk_ids, topk_logprobs (B, T, K) and entropy (B, T) from the model's own
-    logits, log-softmax in fp32 a slice of tokens at a time. samples > 0: instead of the top-K,
-    sample_ids (B, T, samples) drawn from the teacher's softmax (`generator`, on its device).
+    logits, log-softmax in fp32 a slice of tokens at a time. samples > 0: sample_ids (B, T, samples)
+    drawn (`generator`, on its device) from the teacher's softmax (topk 0: instead of the top-K),
+    or, beside a top-K, from the rest of it: the softmax with the top-K set to 0 (hybrid targets).
     logit_chunk > 0: the logits made from the last layer's output that many tokens at a time, never
     (B, T, V) at once (the scale wing: a 152K vocabulary at 4096 tokens is 2.5 GB a sequence)."""
     if logit_chunk:
@@ -476,31 +470,29 @@ def teacher_targets(model, input_ids, vocab, topk, logit_chunk=0, samples=0, gen
         logits = model(input_ids=input_ids, use_cache=False).logits
         B, T = logits.shape[:2]
         logits = logits.flatten(0, 1)
-    ids, logprobs, entropy = [], [], []  # (a sampled cache stores no log-probs)
+    out = {"topk_ids": [], "topk_logprobs": [], "sample_ids": [], "entropy": []}
     # 64-token slices on a CPU stay in cache (12.6 MB of fp32 at V = 49K); a GPU takes 4096
     for z in (logits if logit_chunk else [logits]):
         for z in z.split(64 if z.device.type == "cpu" else 4096):
             logp = F.log_softmax(z[:, :vocab].float(), dim=-1)  # padding rows past the tokenizer go
             # H_t = -sum_v p log p over the whole vocabulary (capped at ln K if taken from top-K)
-            entropy.append(-torch.linalg.vecdot(logp.exp(), logp))
-            if samples:  # x_j ~ p_t, with replacement: an unbiased picture of p_t
-                ids.append(torch.multinomial(logp.exp(), samples, True, generator=generator))
-                continue
-            values, indices = logp.topk(topk, dim=-1)
-            logprobs.append(values)
-            ids.append(indices)
-    if samples:
-        return {"sample_ids": torch.cat(ids).view(B, T, samples),
-                "entropy": torch.cat(entropy).view(B, T)}
-    return {"topk_ids": torch.cat(ids).view(B, T, topk),
-            "topk_logprobs": torch.cat(logprobs).view(B, T, topk),
-            "entropy": torch.cat(entropy).view(B, T)}
+            out["entropy"].append(-torch.linalg.vecdot(logp.exp(), logp))
+            if topk:
+                values, indices = logp.topk(topk, dim=-1)
+                out["topk_logprobs"].append(values)
+                out["topk_ids"].append(indices)
+            if samples:  # x_j ~ p_t (or ~ its rest), with replacement: an unbiased picture of it
+                p = logp.exp().scatter_(-1, indices, 0) if topk else logp.exp()
+                p[p.sum(-1) == 0] = 1  # no rest left (all mass in the top-K): its weight is 0
+                out["sample_ids"].append(torch.multinomial(p, samples, True, generator=generator))
+    return {k: torch.cat(v).view(B, T, -1) if k != "entropy" else torch.cat(v).view(B, T)
+            for k, v in out.items() if v}
 
 
 def shard_generator(identity, split_name, j, device):
     """A sampled cache's draws for shard j, seeded by the cache and the shard: a shard recomputed
     after a kill, or on another rank, draws the same tokens."""
-    if identity.get("targets") == "sampled":
+    if identity.get("samples"):
         key = f"{identity['sample_seed']}/{split_name}/{j}".encode()
         seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
         return torch.Generator(device).manual_seed(seed)
@@ -617,7 +609,8 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
                 targets="topk", samples=12, sample_seed=0, assistant_only=False):
     """Build (or finish) the teacher cache in `out` and return its path: nothing to do when the
     same complete cache is there; E3Error when `out` holds another. targets: "topk" (K = topk, the
-    paper's) or "sampled" (`samples` draws a position, seeded by sample_seed); assistant_only: a
+    paper's), "sampled" (`samples` draws a position, seeded by sample_seed) or "hybrid" (the top-K
+    and `samples` draws from the rest); assistant_only: a
     loss mask too (scale/data.py). Under torchrun every rank calls it. shard_teacher: the teacher
     FSDP2-sharded over the ranks (scale/teacher.py), each rank still running its own batches."""
     from transformers import AutoTokenizer
@@ -645,8 +638,9 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
         "dtypes": {k: str(v).removeprefix("torch.")
                    for k, v in storage_dtypes(vocab, targets, assistant_only).items()},
         "sequences": {s: len(b) for s, b in blocks.items()}, "tokens_sha256": hashes}
-    if targets == "sampled":  # (a top-K cache's identity is as it always was)
-        identity.update(topk=None, targets="sampled", samples=samples, sample_seed=sample_seed)
+    if targets != "topk":  # (a top-K cache's identity is as it always was)
+        identity.update(topk=topk if targets == "hybrid" else None, targets=targets,
+                        samples=samples, sample_seed=sample_seed)
     masks = lambda blocks, rows: {}  # nothing stored beside the ids: every position counts
     if assistant_only:  # which do, stored beside the ids
         identity["assistant_only"] = True
@@ -727,7 +721,7 @@ class TeacherCache:
         self.meta = json.loads((self.path / "meta.json").read_text())
         self.seq_len, self.topk, self.vocab_size = (self.meta["seq_len"], self.meta["topk"],
                                                     self.meta["vocab_size"])
-        # the kind of targets (kd.TARGETS): "topk", or "sampled" with N = self.samples
+        # the kind of targets (kd.TARGETS): "topk", "sampled" or "hybrid" (N = self.samples draws)
         self.targets, self.samples = self.meta.get("targets", "topk"), self.meta.get("samples")
         made = f"teacher cache '{path}' was made"
         if vocab_size(tokenizer) != self.vocab_size:
@@ -737,7 +731,7 @@ class TeacherCache:
         if tokenizer_fingerprint(tokenizer) != self.meta["tokenizer"]:
             raise E3Error(f"{made} with another tokenizer ({self.meta['model']['model']}); "
                           f"rebuild it with cache_teacher.py --model <the student's model>")
-        for name, want, have in (("topk", topk if self.targets == "topk" else None, self.topk),
+        for name, want, have in (("topk", topk if self.targets != "sampled" else None, self.topk),
                                  ("seq-len", seq_len, self.seq_len)):
             if want is not None and want != have:
                 raise E3Error(f"{made} with --{name} {have}, not {want}; pass --{name} {have} or "
@@ -765,16 +759,17 @@ class TeacherCache:
 
     def get(self, indices, split_name="train"):
         """Rows `indices` of a split, any order: input_ids (n,T) int64, topk_ids (n,T,K) int64 and
-        topk_logprobs (n,T,K) fp32 (a sampled cache: sample_ids (n,T,N)), entropy (n,T) fp32,
+        topk_logprobs (n,T,K) fp32 (sampled, hybrid: sample_ids (n,T,N)), entropy (n,T) fp32,
         loss_mask (n,T) bool if the cache has one (--assistant-only) and "targets" (kd.TARGETS)."""
         indices = torch.as_tensor(indices, dtype=torch.long).reshape(-1).tolist()
-        n, T, K, S = len(indices), self.seq_len, self.topk or self.samples, self.meta["shard_seqs"]
+        n, T, S = len(indices), self.seq_len, self.meta["shard_seqs"]
+        last = {"topk_ids": self.topk, "topk_logprobs": self.topk, "sample_ids": self.samples}
         if any(not 0 <= i < self.len_split(split_name) for i in indices):
             raise IndexError(f"sequence index out of range for the {self.len_split(split_name)} "
                              f"'{split_name}' sequences")
         stored = storage_dtypes(self.vocab_size, self.targets, self.meta.get("assistant_only"))
-        batch = {k: torch.empty((n, T, K)[:2 if k in ("input_ids", "entropy", "loss_mask") else 3],
-                                dtype=self.OUT_DTYPES[k]) for k in stored}  # targets: (n, T, K)
+        batch = {k: torch.empty((n, T, last[k]) if k in last else (n, T), dtype=self.OUT_DTYPES[k])
+                 for k in stored}
         rows_of = {}  # grouped by shard: each file opened once a call
         for pos, i in enumerate(indices):
             rows_of.setdefault(i // S, []).append((pos, i % S))
@@ -797,12 +792,13 @@ def main():
                    "them (default: the packaged plays)")
     p.add_argument("--text-field", default="text", help="field (.jsonl) or column (.parquet) with "
                    "the text; a .jsonl line without it and with a 'messages' list is a chat")
-    p.add_argument("--targets", choices=["topk", "sampled"], default="topk",
+    p.add_argument("--targets", choices=["topk", "sampled", "hybrid"], default="topk",
                    help="topk: the teacher's K most likely tokens (the paper); sampled: --samples "
-                        "draws from its softmax, an unbiased target (kd.py)")
+                        "draws from its softmax; hybrid: the top-K and --samples draws from the "
+                        "rest (kd.py: both unbiased)")
     p.add_argument("--topk", type=int, default=10, help="K teacher tokens kept per position")
-    p.add_argument("--samples", type=int, default=12, help="draws per position (--targets sampled)")
-    p.add_argument("--sample-seed", type=int, default=0, help="the draws' seed (--targets sampled)")
+    p.add_argument("--samples", type=int, default=12, help="draws per position (sampled, hybrid)")
+    p.add_argument("--sample-seed", type=int, default=0, help="the draws' seed (sampled, hybrid)")
     p.add_argument("--assistant-only", action="store_true", help="chats: loss on the reply only")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per packed sequence")
     p.add_argument("--max-tokens", type=int, default=None,

@@ -49,9 +49,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cache_teacher import (DEFAULT_VAL_FRAC, E3Error, HelpFormatter, all_blocks, corpus_blocks,
-                           load_model, print0, resolve_model, run_main, tokenizer_fingerprint,
-                           vocab_size)
+from cache_teacher import (DEFAULT_VAL_FRAC, Blocks, E3Error, HelpFormatter, corpus_blocks,
+                           load_model, print0, resolve_model, run_main, token_file,
+                           tokenizer_fingerprint, vocab_size)
 from surgery import decoder_layers
 
 TASKS_DIR = Path(__file__).resolve().parent / "experiments" / "tasks"
@@ -163,8 +163,10 @@ def load_teacher(name, tok, device, dtype):
 
 def eval_blocks(tok, args):
     """[N, seq_len] windows: the held-out end of --data, or all of it with --val-frac 1."""
-    if args.val_frac >= 1:  # reading stops after --max-tokens
-        blocks = all_blocks(tok, args.data, args.seq_len, args.max_tokens or None, args.text_field)
+    if args.val_frac >= 1:  # the first --max-tokens of the stream (0: all): reading stops there
+        tokens = token_file(tok, args.data, args.text_field, args.max_tokens or None)
+        n = min(tokens.n_tokens, args.max_tokens or tokens.n_tokens) // args.seq_len
+        blocks = Blocks(tokens, 0, n, args.seq_len)[:n]
     else:  # the end of the whole corpus: it is read (and tokenised, once) to the end
         blocks = corpus_blocks(tok, args.data, args.seq_len, None, args.val_frac,
                                args.max_tokens or None, args.text_field)["val"]

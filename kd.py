@@ -23,6 +23,8 @@ Beyond the paper, targets without that bias (kd.TARGETS; each batch's "targets" 
            empirical distribution, whose gradient softmax(z_s) - (the draws' shares) is the full
            KL's, softmax(z_s) - p_t, in expectation (Anshumann et al., "Sparse Logit Sampling",
            arXiv 2503.16870)
+  hybrid   the top-K exactly, N draws from the rest (--targets hybrid): eq. 12's sum + r_t times the
+           rest's sampled KL, r_t = 1 - sum_K p_t; unbiased, the variance ~r_t^2 times sampled's
   full     the teacher's whole distribution, run beside the student (--kd-full, one process)
 AKD's weight H_t is the teacher's full-softmax entropy whichever targets (eq. 13).
 
@@ -77,6 +79,14 @@ def sampled_token_kl(student_logits, sample_ids):
     return ((m / sample_ids.shape[-1]).log() - logp_s).mean(-1)
 
 
+def hybrid_token_kl(student_logits, topk_ids, topk_logprobs, sample_ids):
+    """L_token against the top-K exactly and the rest by its draws x_j ~ p_t(. | off the top-K):
+    sum_K p_t,c (log p_t,c - log p_s,c) + r_t/N sum_j (log(r_t m_j / N) - log p_s(x_j))."""
+    rest_t = (1 - topk_logprobs.float().exp().sum(-1)).clamp(min=0)  # from the stored top-K: >= 0
+    return token_kl(student_logits, topk_ids, topk_logprobs) + torch.xlogy(rest_t, rest_t) \
+        + rest_t * sampled_token_kl(student_logits, sample_ids)
+
+
 def full_token_kl(student_logits, teacher_logits):
     """L_token over the whole vocabulary: KL(p_t || p_s) = sum_v p_t,v (log p_t,v - log p_s,v)."""
     logp_t = F.log_softmax(teacher_logits.float(), dim=-1)
@@ -89,6 +99,7 @@ TARGETS = {
     "topk": lambda z, b: token_kl(z, b["topk_ids"], b["topk_logprobs"]),
     "tail": lambda z, b: tail_token_kl(z, b["topk_ids"], b["topk_logprobs"]),
     "sampled": lambda z, b: sampled_token_kl(z, b["sample_ids"]),
+    "hybrid": lambda z, b: hybrid_token_kl(z, b["topk_ids"], b["topk_logprobs"], b["sample_ids"]),
     "full": lambda z, b: full_token_kl(z, b["teacher_logits"][..., :z.shape[-1]]),
 }
 
@@ -99,13 +110,6 @@ def kd_loss(student_logits, batch, weighted):
     if weighted:
         per_token = per_token * batch["entropy"].float()
     return masked_mean(per_token, positions(batch))
-
-
-def topk_kd_loss(student_logits, topk_ids, topk_logprobs, entropy=None, mask=None):
-    """Eq. 12 (entropy None: kd), or eq. 13 (entropy = H_t, (B, T): akd, each token weighted by how
-    uncertain the teacher is), a scalar. Shapes (B, T, V), (B, T, K), (B, T, K), mask (B, T) bool."""
-    batch = {"topk_ids": topk_ids, "topk_logprobs": topk_logprobs, "entropy": entropy, "mask": mask}
-    return kd_loss(student_logits, batch, weighted=entropy is not None)
 
 
 def next_token_loss(logits, input_ids, mask=None, loss_mask=None):

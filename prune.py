@@ -140,9 +140,9 @@ def parse_args(argv=None):
     g.add_argument("--seq-len", type=int, help=f"tokens per sequence (default: a given --cache's, "
                    f"else {PAPER['seq_len']})")
     g.add_argument("--topk", type=int, default=PAPER["topk"], help="teacher top-K of a new cache")
-    g.add_argument("--targets", choices=["topk", "sampled"], default="topk", help="a new cache's: "
-                   "the top-K (the paper) or --samples draws from the teacher (kd.py)")
-    g.add_argument("--samples", type=int, default=12, help="draws a position (--targets sampled)")
+    g.add_argument("--targets", choices=["topk", "sampled", "hybrid"], default="topk",
+                   help="a new cache's: the top-K (the paper), or draws (cache_teacher.py, kd.py)")
+    g.add_argument("--samples", type=int, default=12, help="draws a position (sampled, hybrid)")
     g.add_argument("--kd-tail", action="store_true", help="KD over the top-K + the rest (kd.py)")
     g.add_argument("--kd-full", action="store_true", help="KD over the whole vocabulary, the "
                    "teacher run beside the student (one process; the reference)")
@@ -301,8 +301,7 @@ def training_batch(source, rows, args, teacher=None):
     if args.kd_tail:
         batch["targets"] = "tail"
     if teacher is not None:
-        with torch.no_grad():
-            batch["teacher_logits"] = teacher(input_ids=batch["input_ids"], use_cache=False).logits
+        batch["teacher_logits"] = teacher(input_ids=batch["input_ids"], use_cache=False).logits
         batch["targets"] = "full"
     return batch
 
@@ -343,8 +342,7 @@ class GumbelTopKSearch(LayerSearch):
         are 1 and count in k'_t): exactly 0/1 in value, dM~/dS in gradient (eq. 7)."""
         free = [i for i in range(self.L) if i not in self.protected]
         noise = self.noise[j % len(self.noise)]
-        sub = gumbel_topk(self.S[free], self.k_t - len(self.protected), self.tau,
-                          noise=noise[free])
+        sub = gumbel_topk(self.S[free], self.k_t - len(self.protected), self.tau, noise=noise[free])
         index = torch.tensor(free, device=self.S.device)
         return torch.ones(self.L, device=self.S.device).index_put((index,), sub)
 
@@ -429,8 +427,8 @@ def build_teacher_cache(args, tok, data=None, tokens=None):
         return None
     ident = {**model_fingerprint(args.model), "seq_len": args.seq_len, "topk": args.topk,
              "data": str(Path(data).resolve()) if data else "packaged", "tokens": tokens}
-    if args.targets == "sampled":
-        ident.update(targets="sampled", samples=args.samples)
+    if args.targets != "topk":
+        ident.update(targets=args.targets, samples=args.samples)
     if args.assistant_only:
         ident["assistant_only"] = True
     path = TEACHER_CACHE_DIR / hashlib.sha256(json.dumps(ident, sort_keys=True).encode()
@@ -557,7 +555,7 @@ def main(argv=None):
     teacher = None  # --kd-full: the model that made the cache, frozen, in eval mode
     if args.kd_full and cache:
         teacher = load_model(cache.meta["model"]["model"], args.device)[0]
-        teacher.eval().requires_grad_(False)
+        teacher.eval().requires_grad_(False)  # frozen: its forwards record no graph
     opt = make_optimizer(model, args)
     vocab = cache.vocab_size if cache else vocab_size(tok)
     losses = plain_losses(vocab, autocast=args.device.type == "cuda" and world == 1)

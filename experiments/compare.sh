@@ -66,6 +66,9 @@ declare -A METHOD=(
   [sampled8-akd]="--layers $KL --loss akd --targets sampled --samples 8"
   [sampled12-akd]="--layers $KL --loss akd --targets sampled --samples 12"
   [sampled24-akd]="--layers $KL --loss akd --targets sampled --samples 24"
+  # hybrid: the top-8 exactly and 12 draws from the rest of the teacher's softmax (62 bytes a token)
+  [hybrid-kd]="--layers $KL --loss kd --targets hybrid --topk 8 --samples 12"
+  [hybrid-akd]="--layers $KL --loss akd --targets hybrid --topk 8 --samples 12"
   [full-kd]="--layers $KL --loss kd --kd-full"
 )
 if [ "${1:-main}" = main ]; then
@@ -125,7 +128,7 @@ print({c: round(v['ppl'], 2) for c, v in r['corpora'].items()})" $out)"
     e3-masks8 e3-scale4 e3-lr-linear e3-search-kd e3-calib-mix kl-calib-mix
   elif [ "$1" = budget4x ]; then SEEDS=${SEEDS:-0 1 2} add kl-oneshot e3-akd
   elif [ "$1" = targets ]; then SEEDS=${SEEDS:-0 1 2} add topk-kd sampled12-kd full-kd tail-kd \
-    topk-akd sampled12-akd tail-akd sampled8-kd sampled24-kd sampled8-akd sampled24-akd
+    topk-akd sampled12-akd tail-akd hybrid-kd hybrid-akd sampled8-kd sampled24-kd sampled8-akd sampled24-akd
   else
     add kl-oneshot e3-akd; add evo random; add minitron e3-kd sheared
     # ShortGPT trains nothing, so it cannot be the run that builds the cache

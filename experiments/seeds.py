@@ -30,7 +30,7 @@ METHODS = ["shortgpt", "minitron", "sheared", "kl-oneshot", "random", "evo", "e3
            "e3-masks2", "e3-masks8", "e3-scale4", "e3-lr-linear", "e3-search-kd", "e3-calib-mix",
            "kl-calib-mix", "kl-oneshot-4x", "e3-akd-4x",
            "topk-kd", "topk-akd", "tail-kd", "tail-akd", "sampled8-kd", "sampled12-kd", "sampled24-kd",
-           "sampled8-akd", "sampled12-akd", "sampled24-akd", "full-kd"]
+           "sampled8-akd", "sampled12-akd", "sampled24-akd", "hybrid-kd", "hybrid-akd", "full-kd"]
 LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitron-style (BI + KD)",
           "sheared": "Sheared-style (L0 + KD)", "kl-oneshot": "KL one-shot + AKD",
           "random": "random search + AKD", "evo": "evolutionary search + AKD",
@@ -48,12 +48,14 @@ LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitr
           **{f"{t}-{loss}": f"{name} {loss.upper()} (KL one-shot's layers)"
              for t, name in (("topk", "top-10"), ("tail", "top-10 + tail"),
                              ("sampled8", "sampled N = 8"), ("sampled12", "sampled N = 12"),
-                             ("sampled24", "sampled N = 24"), ("full", "full-vocabulary"))
+                             ("sampled24", "sampled N = 24"), ("hybrid", "top-8 + 12 draws from the rest"),
+                             ("full", "full-vocabulary"))
              for loss in ("kd", "akd")},
           **{f"{t}-{loss}-4x": f"{name} {loss.upper()} (KL one-shot's layers), 4x tokens"
              for t, name in (("topk", "top-10"), ("tail", "top-10 + tail"),
                              ("sampled8", "sampled N = 8"), ("sampled12", "sampled N = 12"),
-                             ("sampled24", "sampled N = 24"), ("full", "full-vocabulary"))
+                             ("sampled24", "sampled N = 24"), ("hybrid", "top-8 + 12 draws from the rest"),
+                             ("full", "full-vocabulary"))
              for loss in ("kd", "akd")}}
 PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot"),
          ("e3-akd", "evo"), ("e3-calib-mix", "kl-calib-mix"),
@@ -71,7 +73,8 @@ PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot
          ("sampled24-kd", "full-kd"), ("sampled24-kd", "sampled12-kd"),
          # ... at 4x the tokens, and what 4x buys each target
          ("sampled12-kd-4x", "full-kd-4x"), ("sampled12-kd-4x", "sampled12-kd"),
-         ("full-kd-4x", "full-kd")]
+         ("full-kd-4x", "full-kd"), ("hybrid-kd", "full-kd"), ("hybrid-kd", "sampled24-kd"),
+         ("hybrid-akd", "full-kd"), ("hybrid-kd-4x", "full-kd-4x"), ("hybrid-kd-4x", "hybrid-kd")]
 
 
 def record(run_dir, method, seed, out, *evals):
@@ -183,7 +186,7 @@ def table(results_dir=RESULTS):
 
 
 TARGETS = ["full-kd", "topk-kd", "topk-akd", "tail-kd", "tail-akd", "sampled8-kd", "sampled12-kd",
-           "sampled24-kd", "sampled8-akd", "sampled12-akd", "sampled24-akd"]
+           "sampled24-kd", "sampled8-akd", "sampled12-akd", "sampled24-akd", "hybrid-kd", "hybrid-akd"]
 
 
 def targets_table(results_dir=RESULTS, budget=""):

@@ -300,8 +300,8 @@ def meta_model(args):
         add_lora(model, args.lora_rank, args.lora_alpha, args.seed)
     vocab = model.config.get_text_config().vocab_size
     # a cache token: 1 + K ids (uint16 or int32), K fp16 log-probs, one fp32 entropy; sampled: 1 + N
-    # ids and the entropy; --assistant-only: one byte more, the loss mask
-    sampled = args.targets == "sampled"
-    K = args.samples if sampled else args.topk
-    per_token = (2 if vocab <= 65536 else 4) * (1 + K) + (0 if sampled else 2 * K) + 4
+    # ids and the entropy; hybrid: 1 + K + N ids, K log-probs; --assistant-only: one byte more
+    K = 0 if args.targets == "sampled" else args.topk
+    N = 0 if args.targets == "topk" else args.samples
+    per_token = (2 if vocab <= 65536 else 4) * (1 + K + N) + 2 * K + 4
     return model, per_token + bool(args.assistant_only)

@@ -10,6 +10,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts live at the repo root
 
 import cache_teacher  # noqa: E402
+import kd  # noqa: E402
+
+
+def topk_kd_loss(student_logits, topk_ids, topk_logprobs, entropy=None, mask=None):
+    """kd.kd_loss over top-K targets given as tensors: eq. 12 (entropy None) or eq. 13."""
+    batch = {"topk_ids": topk_ids, "topk_logprobs": topk_logprobs, "entropy": entropy, "mask": mask}
+    return kd.kd_loss(student_logits, batch, weighted=entropy is not None)
 
 
 def tiny_config(arch, layers=6, vocab=49152):

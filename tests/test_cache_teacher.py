@@ -14,10 +14,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import cache_teacher
-import kd
 import surgery
 from cache_teacher import TeacherCache, build_cache
-from conftest import torchrun_failure
+from conftest import topk_kd_loss as reference_kd_loss, torchrun_failure
 
 REPO = Path(__file__).resolve().parents[1]
 V = 49152
@@ -337,7 +336,7 @@ def test_fp16_logprobs_change_the_kd_loss_negligibly():
     def loss(logprobs, entropy):  # the student's loss as prune.py computes it (kd.py)
         with torch.no_grad():
             logits = model(input_ids=ids).logits[..., :vocab]
-        return kd.topk_kd_loss(logits, targets["topk_ids"], logprobs, entropy)
+        return reference_kd_loss(logits, targets["topk_ids"], logprobs, entropy)
     for entropy in (None, targets["entropy"]):
         exact = loss(targets["topk_logprobs"], entropy)
         rounded = loss(targets["topk_logprobs"].to(stored).float(), entropy)

@@ -48,7 +48,8 @@ def reference_split(ids, seq_len, val_frac=0.05):
 
 
 def whole_stream(tok, path, text_field="text"):
-    return data.all_blocks(tok, str(path), 1, text_field=text_field).flatten()
+    tokens = data.token_file(tok, str(path), text_field)
+    return tokens.read(0, tokens.n_tokens)
 
 
 # checksums (sha256, first 16 hex digits) of the packaged demo's blocks as the code before data.py

@@ -3,7 +3,8 @@ against an independent float64 computation."""
 import pytest
 import torch
 
-from kd import LOSSES, next_token_loss, topk_kd_loss
+from conftest import topk_kd_loss
+from kd import LOSSES, next_token_loss
 
 
 def reference(student, teacher, K, weight_by_entropy, mask):

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 import kd
 from cache_teacher import TeacherCache, build_cache
-from scale.fused_loss import distinct_draws, head_kd_loss
+from scale.fused_loss import _loss_fn, distinct_draws, head_kd_loss
 
 
 def tail_kl_float64(student, teacher, K):
@@ -154,6 +154,71 @@ def test_sampled_kl_reads_zero_at_its_own_draws_and_matches_float64():
                                kd.sampled_token_kl(student, draws).mean(), rtol=1e-5, atol=1e-6)
 
 
+def hybrid_kl_float64(student, ids, logprobs, draws):
+    """The hybrid target's KL at one position, Python sums in float64: the top-K at p_t,c, then each
+    distinct draw x at r_t m_x / N (r_t = 1 - the top-K's mass, m_x its count among the N draws)."""
+    ps = torch.softmax(student.double(), -1).tolist()
+    pt = [math.exp(x) for x in logprobs.double().tolist()]
+    r, N = 1 - sum(pt), len(draws)
+    head = sum(p * math.log(p / ps[c]) for c, p in zip(ids.tolist(), pt))
+    return head + sum(r * m / N * math.log(r * m / N / ps[x]) for x, m in Counter(draws.tolist()).items())
+
+
+def hybrid_targets(t, K, N, M, generator=None):
+    """M positions of one teacher t (V,): its top-K, and N draws each from the rest, drawn as
+    cache_teacher.teacher_targets does: p_t with the top-K set to 0."""
+    lp, ids = torch.log_softmax(t.float(), -1).topk(K)
+    rest = torch.softmax(t.float(), -1).index_fill(0, ids, 0)
+    draws = torch.multinomial(rest.expand(M, -1), N, replacement=True, generator=generator)
+    return ids.expand(M, K), lp.expand(M, K), draws
+
+
+def test_hybrid_kl_matches_float64_and_reads_zero_at_its_target():
+    """kd.hybrid_token_kl and the fused head (top-K ids, then the distinct draws at r_t x their
+    shares) against the float64 sums written out; 0 when the student is the target itself."""
+    torch.manual_seed(6)
+    V, K, N = 24, 4, 12
+    t, student = torch.randn(5, V) * 2, torch.randn(5, V)
+    rows = [hybrid_targets(t[i], K, N, 1) for i in range(5)]
+    ids, lp, draws = (torch.cat(x) for x in zip(*rows))
+    want = torch.tensor([hybrid_kl_float64(student[i], ids[i], lp[i], draws[i]) for i in range(5)],
+                        dtype=torch.float64)
+    got = kd.hybrid_token_kl(student, ids, lp, draws)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    batch = {"targets": "hybrid", "topk_ids": ids[None], "topk_logprobs": lp[None], "sample_ids": draws[None],
+             "entropy": torch.ones(1, 5)}
+    fused_loss = _loss_fn("kd", batch, V, 2)(student[None], torch.eye(V), None, None)  # logits as hidden
+    torch.testing.assert_close(fused_loss.double(), want.mean(), rtol=1e-5, atol=1e-6)
+    target = torch.full((5, V), 1e-30)  # the target distribution itself as the student's softmax
+    r = 1 - lp.exp().sum(-1, keepdim=True)
+    target.scatter_(-1, ids, lp.exp()).scatter_add_(-1, draws, r.expand(5, N) / N)
+    assert kd.hybrid_token_kl(target.log(), ids, lp, draws).abs().max() < 1e-5
+
+
+def test_hybrid_gradient_is_the_full_kl_gradient_in_expectation_with_less_variance_than_sampled():
+    """E over draws of the hybrid gradient = softmax(z) - p_t, the full KL's: averaged over M positions
+    within 5 standard errors (r_t sqrt(q (1 - q) / (N M)), q the rest's conditional probabilities);
+    its per-position variance at the same N is under a third of the sampled target's when the top-K
+    holds most of the mass (here ~0.7: about r_t^2 = 0.09 of it)."""
+    torch.manual_seed(7)
+    V, N, M, K = 40, 12, 20_000, 4
+    z, t = torch.randn(V), torch.randn(V) * 2
+    p_t = torch.softmax(t.double(), -1)
+    full = torch.softmax(z.double(), -1) - p_t
+    ids, lp, draws = hybrid_targets(t, K, N, M)
+    r = 1 - lp[0].double().exp().sum()
+    q = p_t.index_fill(0, ids[0], 0) / r
+    se = (r * (q * (1 - q) / (N * M)).sqrt()).max().item()
+    zh = z.expand(M, V).clone().requires_grad_(True)
+    kd.hybrid_token_kl(zh, ids, lp, draws).sum().backward()
+    hybrid = zh.grad.double()
+    assert (hybrid.mean(0) - full).abs().max().item() < 5 * se, ((hybrid.mean(0) - full).abs().max(), se)
+    zs = z.expand(M, V).clone().requires_grad_(True)
+    kd.sampled_token_kl(zs, torch.multinomial(p_t.float().expand(M, V), N, replacement=True)).sum().backward()
+    var = lambda g: g.var(0).sum().item()  # noqa: E731
+    assert var(hybrid) < var(zs.grad.double()) / 3, (var(hybrid), var(zs.grad.double()), r.item())
+
+
 def tensor_bytes_a_token(path):
     """The stored tensors' bytes (safetensors' headers aside) over the tokens: what a token costs."""
     total, tokens = 0, 0
@@ -199,6 +264,31 @@ def test_sampled_cache_bytes_seeded_draws_from_the_teacher(tiny_model, tmp_path)
         build_cache(tiny_model, None, tmp_path / "sampled", topk=10, **common)
 
 
+def test_hybrid_cache_bytes_and_draws_from_the_rest(tiny_model, tmp_path):
+    """A hybrid cache at K = 8, N = 12: 62 bytes a token, its kind in meta.json, the top-K as a top-K
+    cache's; its draws never a top-K id, and drawn from the teacher's rest: the mean share of the
+    teacher's 9th most likely token among them is its mean probability given the rest, p_9 / r_t."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    common = dict(seq_len=64, max_tokens=64 * 64, batch_size=16, shard_seqs=32)
+    top9 = build_cache(tiny_model, None, tmp_path / "top9", topk=9, **common)
+    hybrid = build_cache(tiny_model, None, tmp_path / "hybrid", targets="hybrid", topk=8, samples=12,
+                         **common)
+    assert tensor_bytes_a_token(hybrid) == 62
+    meta = json.loads((Path(hybrid) / "meta.json").read_text())
+    assert (meta["targets"], meta["topk"], meta["samples"]) == ("hybrid", 8, 12) and meta["bytes_per_token"] <= 64
+    a, b = TeacherCache(top9, tok, seq_len=64), TeacherCache(hybrid, tok, seq_len=64, topk=8)
+    rows = list(range(a.len_split("train")))
+    x, y = a.get(rows), b.get(rows)
+    assert y["targets"] == "hybrid" and y["sample_ids"].shape == (len(rows), 64, 12)
+    assert torch.equal(x["topk_ids"][..., :8], y["topk_ids"]) and torch.equal(x["entropy"], y["entropy"])
+    assert not (y["sample_ids"][..., :, None] == y["topk_ids"][..., None, :]).any()
+    p = x["topk_logprobs"].exp()
+    given_rest = p[..., 8] / (1 - p[..., :8].sum(-1))
+    share = (y["sample_ids"] == x["topk_ids"][..., 8:9]).float().mean(-1)
+    assert abs(share.mean() - given_rest.mean()) < 0.02, (share.mean(), given_rest.mean())
+
+
 # -----------------------------------------------------------------------------
 # prune.py with each target: the kind read from the cache, --kd-tail, --kd-full; the fused head (one
 # process and two vocabulary-parallel ranks) computes what kd.py does
@@ -234,6 +324,17 @@ def test_prune_py_with_each_target(make_tiny, corpus, tmp_path, monkeypatch, cap
     meta = json.loads((tmp_path / "sampled" / "model" / "pruning.json").read_text())
     assert meta["flags"]["targets"] == "sampled" and meta["flags"]["samples"] == 8
     one_line_error(args("bad", "--cache", sampled, "--kd-tail"), capsys, "--kd-tail", "sampled")
+    # a hybrid cache too, and prune.py building one (--targets hybrid): the same cache
+    hybrid = build_cache(model, corpus, tmp_path / "hybrid-cache", targets="hybrid", topk=4, samples=8,
+                         seq_len=32, max_tokens=4096)
+    prune.main(args("hybrid", "--cache", hybrid))
+    prune.main(args("hybrid-fused", "--cache", hybrid, "--logit-chunk", "8"))
+    assert train_losses(tmp_path / "hybrid-fused") == pytest.approx(train_losses(tmp_path / "hybrid"),
+                                                                   rel=1e-3)
+    assert train_losses(tmp_path / "hybrid")[0] != pytest.approx(train_losses(tmp_path / "sampled")[0], rel=1e-3)
+    prune.main(args("hybrid-built", "--targets", "hybrid", "--topk", "4", "--samples", "8"))
+    built = [json.loads(m.read_text()) for m in (tmp_path / "teacher").glob("*/meta.json")]
+    assert [(m["targets"], m["topk"], m["samples"]) for m in built if m.get("samples")] == [("hybrid", 4, 8)]
     one_line_error(args("bad", "--kd-full", "--logit-chunk", "8"), capsys, "--kd-full", "one process")
 
     # --kd-full: the loss sees the teacher's own logits of the batch, the whole vocabulary
@@ -252,12 +353,13 @@ def test_prune_py_with_each_target(make_tiny, corpus, tmp_path, monkeypatch, cap
     assert train_losses(tmp_path / "full")[0] == pytest.approx(sum(want) / 4, rel=1e-4)
 
 
-def test_two_ranks_with_a_sampled_cache_match_one_process(make_tiny, corpus, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("targets", ["sampled", "hybrid"])
+def test_two_ranks_with_a_sampled_cache_match_one_process(make_tiny, corpus, tmp_path, targets):  # noqa: F811
     """Two FSDP2 ranks (the vocabulary-parallel head fused with the loss) against one process on the
-    plain logits path, over a sampled cache: the same losses."""
+    plain logits path, over a sampled (or hybrid) cache: the same losses."""
     model = make_tiny("llama", L)
-    sampled = build_cache(model, corpus, tmp_path / "sampled-cache", targets="sampled", samples=8, seq_len=32,
-                          max_tokens=4096)
+    sampled = build_cache(model, corpus, tmp_path / "sampled-cache", targets=targets, samples=8, seq_len=32,
+                          max_tokens=4096, topk=4)
     for out, n in (("one", 1), ("two", 2)):
         run(tiny_args(model, corpus, tmp_path / out, "--steps", "4", "--cache", sampled), tmp_path, nproc=n)
     assert train_losses(tmp_path / "two") == pytest.approx(train_losses(tmp_path / "one"), rel=1e-3)
