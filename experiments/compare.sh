@@ -70,6 +70,8 @@ declare -A METHOD=(
   [hybrid-kd]="--layers $KL --loss kd --targets hybrid --topk 8 --samples 12"
   [hybrid-akd]="--layers $KL --loss akd --targets hybrid --topk 8 --samples 12"
   [full-kd]="--layers $KL --loss kd --kd-full"
+  # E3's default run (its search, AKD) with the hybrid target in place of the top-10
+  [e3-hybrid]="--loss akd --targets hybrid --topk 8 --samples 12"
 )
 if [ "${1:-main}" = main ]; then
   for m in shortgpt minitron sheared kl-oneshot e3-kd e3-akd; do run $m $P ${METHOD[$m]}; done

@@ -30,7 +30,8 @@ METHODS = ["shortgpt", "minitron", "sheared", "kl-oneshot", "random", "evo", "e3
            "e3-masks2", "e3-masks8", "e3-scale4", "e3-lr-linear", "e3-search-kd", "e3-calib-mix",
            "kl-calib-mix", "kl-oneshot-4x", "e3-akd-4x",
            "topk-kd", "topk-akd", "tail-kd", "tail-akd", "sampled8-kd", "sampled12-kd", "sampled24-kd",
-           "sampled8-akd", "sampled12-akd", "sampled24-akd", "hybrid-kd", "hybrid-akd", "full-kd"]
+           "sampled8-akd", "sampled12-akd", "sampled24-akd", "hybrid-kd", "hybrid-akd", "full-kd",
+           "e3-hybrid"]
 LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitron-style (BI + KD)",
           "sheared": "Sheared-style (L0 + KD)", "kl-oneshot": "KL one-shot + AKD",
           "random": "random search + AKD", "evo": "evolutionary search + AKD",
@@ -43,7 +44,8 @@ LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitr
           "e3-search-mix": "E3 (AKD), search on mixed-domain text",
           "e3-mix": "E3 (AKD), mixed-domain calibration and search",
           "evo-mix": "evolutionary search + AKD, mixed-domain calibration and fitness",
-          "kl-oneshot-4x": "KL one-shot + AKD, 4x tokens", "e3-akd-4x": "E3 (AKD), 4x tokens",
+          "kl-oneshot-4x": "KL one-shot + AKD, 4x tokens",
+          "e3-hybrid": "E3 (AKD), hybrid targets (top-8 + 12 draws from the rest)", "e3-akd-4x": "E3 (AKD), 4x tokens",
           # the teacher targets, each on KL one-shot's layers (kl-oneshot = top-K AKD there)
           **{f"{t}-{loss}": f"{name} {loss.upper()} (KL one-shot's layers)"
              for t, name in (("topk", "top-10"), ("tail", "top-10 + tail"),
@@ -74,7 +76,8 @@ PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot
          # ... at 4x the tokens, and what 4x buys each target
          ("sampled12-kd-4x", "full-kd-4x"), ("sampled12-kd-4x", "sampled12-kd"),
          ("full-kd-4x", "full-kd"), ("hybrid-kd", "full-kd"), ("hybrid-kd", "sampled24-kd"),
-         ("hybrid-akd", "full-kd"), ("hybrid-kd-4x", "full-kd-4x"), ("hybrid-kd-4x", "hybrid-kd")]
+         ("hybrid-akd", "full-kd"), ("hybrid-kd-4x", "full-kd-4x"), ("hybrid-kd-4x", "hybrid-kd"),
+         ("e3-hybrid", "e3-akd"), ("e3-hybrid", "hybrid-akd")]
 
 
 def record(run_dir, method, seed, out, *evals):
