@@ -19,9 +19,14 @@ the order, the file says it; where it cannot (architectures/engines.py), it prin
   Gemma-2/3's query scale    llama.cpp scales attention by query_pre_attn_scalar only for the 27B
                              layer count (62, 46); otherwise by the head size: the difference is
                              folded into the query (Gemma-3's q_norm weight, Gemma-2's q weight)
-  Cohere2's rotary_pct       the converter reads a key transformers 5 no longer saves: it is given
-                             a config with it (OLD_KEYS). (GPT-NeoX's is dropped by AutoConfig
-                             itself, which the converter reads through; GPT-2's GGUF does not load)
+  Cohere2's, GPT-NeoX's      the converter reads a key transformers 5 no longer saves: it is given
+  rotary_pct                 a config with it (OLD_KEYS), and run so that the AutoConfig it reads
+                             the config through does not drop it again (CONVERTER)
+  DeepSeek-V3's router       `deepseek2.expert_gating_func` = sigmoid: transformers 5 routes by
+                             sigmoid whatever the config says; llama.cpp by softmax unless the file
+                             says, and the converter says so only from a `scoring_func` key
+  GPT-2's MLP width          `gpt2.feed_forward_length` = n_inner where it is set: the converter
+                             writes 4 * n_embd
 
 The llama.cpp tree: --llama-cpp DIR (a checkout), else the source package llama-cpp-python, which
 vendors the whole tree, fetched once with pip into ~/.cache/e3-pruner/ (nothing prebuilt). A
@@ -50,7 +55,25 @@ SWA_PERIOD = {"gemma3": 6, "gemma2": 2, "gpt-oss": 2, "cohere2": 4}
 GEMMA_27B_LAYERS = {"gemma3": 62, "gemma2": 46}
 # key llama.cpp's converter reads -> (the key transformers 5 saves instead, its default if absent)
 OLD_KEYS = {"rotary_pct": ("partial_rotary_factor", 1.0)}
-OLD_KEY_FAMILIES = {"cohere2": ["rotary_pct"]}
+OLD_KEY_FAMILIES = {"cohere2": ["rotary_pct"], "gpt_neox": ["rotary_pct"]}
+# llama.cpp's converter (argv: the script, the OLD_KEYS as JSON, then the script's own arguments),
+# with its config reader giving back the OLD_KEYS of config.json that AutoConfig drops on reading
+# (transformers 5 turns GPT-NeoX's rotary_pct into rope_parameters["partial_rotary_factor"])
+CONVERTER = """
+import json, runpy, sys
+from pathlib import Path
+script, keys = Path(sys.argv[1]), json.loads(sys.argv.pop(2))
+sys.path[:0] = [str(script.parent), str(script.parent / "gguf-py")]
+from conversion.base import ModelBase
+read = ModelBase.load_hparams
+def load_hparams(dir_model, is_mistral_format):
+    hparams, raw = read(dir_model, is_mistral_format), Path(dir_model) / "config.json"
+    raw = json.loads(raw.read_text()) if raw.is_file() and not is_mistral_format else {}
+    return {**{k: raw[k] for k in keys if k in raw}, **hparams}
+ModelBase.load_hparams = staticmethod(load_hparams)
+sys.argv.pop(0)
+runpy.run_path(str(script), run_name="__main__")
+"""
 
 
 def converter_input(export, folder):
@@ -64,9 +87,9 @@ def converter_input(export, folder):
     for f in Path(export).iterdir():
         if f.name != "config.json":
             (Path(folder) / f.name).symlink_to(f.resolve())
-    for key in missing:
+    for key in missing:  # the new key among the RoPE settings (GPT-NeoX), or at the top
         new, default = OLD_KEYS[key]
-        cfg[key] = cfg.get(new, default)
+        cfg[key] = (cfg.get("rope_parameters") or {}).get(new, cfg.get(new, default))
     (Path(folder) / "config.json").write_text(json.dumps(cfg, indent=1))
     return Path(folder)
 
@@ -76,8 +99,9 @@ def text_config(export):
     return cfg.get("text_config", cfg)
 
 
-def per_layer_keys(arch, cfg):
-    """{GGUF key: value} to add for the export's text config `cfg` (keys the converter left out)."""
+def gguf_keys(arch, cfg):
+    """{GGUF key: value} to add for the export's text config `cfg`: the per-layer keys a pruned
+    order needs, and the few the converter leaves out or writes from a constant."""
     import gguf
     k, keys = cfg.get("num_hidden_layers", cfg.get("n_layer")), {}  # GPT-2: n_layer
     types = cfg.get("layer_types")
@@ -93,6 +117,10 @@ def per_layer_keys(arch, cfg):
             keys[gguf.Keys.LLM.INTERLEAVE_MOE_LAYER_STEP.format(arch=arch)] = step
     if arch == "deepseek2" and cfg.get("q_lora_rank") is None and k not in (26, 27):
         keys[gguf.Keys.Attention.Q_LORA_RANK.format(arch=arch)] = 0
+    if cfg.get("model_type") == "deepseek_v3":  # DeepseekV3TopkRouter: sigmoid, always
+        keys[gguf.Keys.LLM.EXPERT_GATING_FUNC.format(arch=arch)] = gguf.ExpertGatingFuncType.SIGMOID
+    if arch == "gpt2" and cfg.get("n_inner") not in (None, 4 * cfg["n_embd"]):
+        keys[gguf.Keys.LLM.FEED_FORWARD_LENGTH.format(arch=arch)] = cfg["n_inner"]
     return keys
 
 
@@ -119,7 +147,7 @@ def rewrite(src, dst, export):
     reader = gguf.GGUFReader(src, "r")
     arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
     cfg = text_config(export)
-    keys = per_layer_keys(arch, cfg)
+    keys = gguf_keys(arch, cfg)
     new = {}
     for key, value in keys.items():
         if isinstance(value, list):  # python bools: a BOOL array (llama.cpp reads it per layer)
@@ -206,8 +234,9 @@ def convert(export, out=None, outtype="f16", quantize=None, llama_cpp=None):
         raw, fixed = Path(tmp) / "converted.gguf", Path(tmp) / "fixed.gguf"
         (Path(tmp) / "input").mkdir()
         source = converter_input(export, Path(tmp) / "input")
-        done = subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(source),
-                               "--outtype", outtype, "--outfile", str(raw)],
+        done = subprocess.run([sys.executable, "-c", CONVERTER, str(tree / "convert_hf_to_gguf.py"),
+                               json.dumps(list(OLD_KEYS)), str(source), "--outtype", outtype,
+                               "--outfile", str(raw)],
                               capture_output=True, text=True)
         if done.returncode:  # the converter's own words: a family or a setting it does not take
             raise E3Error(f"llama.cpp's converter refused '{export}': "

