@@ -347,7 +347,7 @@ def pruned_config(config, keep):
 # the families a serving engine computes differently once pruned off its fixed periods (llama.cpp,
 # vLLM): architectures/engines.py says where, imported only for these
 SERVING_FAMILIES = ("smollm3", "llama4", "llama4_text", "qwen2_moe", "qwen3_moe", "deepseek_v2",
-                    "deepseek_v3", "gpt_oss")
+                    "deepseek_v3", "gpt_oss", "olmoe")
 
 
 def serving_notes(config, kept=None):

@@ -11,6 +11,17 @@ no file can fix (read from the engines' sources: docs/architectures.md cites the
              DeepSeek    a model with q_lora_rank pruned to 26 or 27 layers is taken for V2-Lite
                          (src/models/deepseek2.cpp)
   vLLM       GPT-OSS     sliding window iff j % 2 == 0, hard-coded (models/gpt_oss.py)
+
+and, dense and pruned alike, settings llama.cpp hard-codes where a config may say otherwise (the
+released checkpoints agree with llama.cpp except GPT-OSS's):
+
+  llama.cpp  GPT-OSS     YaRN's correction range always rounded (ggml_rope_yarn_corr_dims), where
+                         its config says "truncate": false (gpt-oss-20b's too)
+             OLMoE       k_norm as wide as the model: grouped key-value heads do not load
+                         (src/models/olmoe.cpp)
+             Qwen3-MoE   the top-k routing weights always normalised (src/models/qwen3moe.cpp)
+             Llama-4     attention chunks of 8192 tokens whatever attention_chunk_size says
+                         (src/models/llama4.cpp)
              Llama-4     MoE iff (j + 1) % interleave_moe_layer_step == 0 (models/llama4.py)
 
 The sliding-window order of Gemma-2/3, GPT-OSS and Cohere2 in llama.cpp is no such case: the GGUF
@@ -62,6 +73,20 @@ def notes(config, kept=None):
             out.append(f"llama.cpp: {family} with {'26 or 27' if keep is None else len(keep)} "
                        f"layers is taken for DeepSeek-V2-Lite and does not load; keep another "
                        f"count")
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if family == "gpt_oss" and rope.get("rope_type") == "yarn" and rope.get("truncate") is False:
+        out.append("llama.cpp: gpt_oss rounds YaRN's correction range, which this config says not "
+                   "to (truncate false): its logits differ from transformers', dense and pruned "
+                   "alike (0.6-2% perplexity on a tiny random model; no GGUF key says it)")
+    if family == "olmoe" and cfg.num_key_value_heads != cfg.num_attention_heads:
+        out.append("llama.cpp: olmoe with grouped key-value heads does not load (its k_norm is "
+                   "as wide as the model)")
+    if family == "qwen3_moe" and not cfg.norm_topk_prob:
+        out.append("llama.cpp: qwen3_moe always normalises the top-k routing weights, which this "
+                   "config does not (norm_topk_prob false): its logits differ from transformers'")
+    if family in ("llama4", "llama4_text") and getattr(cfg, "attention_chunk_size", 8192) != 8192:
+        out.append(f"llama.cpp: {family} attends in chunks of 8192 tokens, this config in "
+                   f"{cfg.attention_chunk_size}: its logits differ past that many tokens")
     if family == "gpt_oss" and getattr(cfg, "layer_types", None):
         sliding = [t == "sliding_attention" for t in cfg.layer_types]
         if keep is None or not all(sliding[i] for i in keep):  # all sliding: vLLM serves it so

@@ -109,6 +109,27 @@ def test_a_family_without_a_per_layer_key_is_warned_before_the_run(make_tiny, tm
     assert serving_notes(tiny_config("llama", 8), [0, 2, 3]) == []
 
 
+def test_settings_llama_cpp_hard_codes_are_warned_dense_or_pruned():
+    """GPT-OSS's unrounded YaRN range, OLMoE's grouped key-value heads, Qwen3-MoE's unnormalised
+    top-k weights, Llama-4's attention chunk: llama.cpp hard-codes the other choice; each warned at
+    the start and at the cut, and not when the config agrees with llama.cpp."""
+    cases = {"gpt_oss": ({}, "YaRN", {"rope_parameters": {"rope_type": "yarn", "factor": 32.0,
+                                                           "truncate": True}}),
+             "olmoe": ({}, "grouped key-value heads", {"num_key_value_heads": 4}),
+             "qwen3_moe": ({}, "normalises", {"norm_topk_prob": True}),
+             "llama4_text": ({"attention_chunk_size": 64}, "8192", {"attention_chunk_size": 8192})}
+    for family, (base, text, agrees) in cases.items():
+        config = tiny_config(family, 8)
+        for k, v in base.items():
+            setattr(config, k, v)
+        for kept in (None, [0, 1, 2, 3, 4, 5, 6, 7]):
+            assert any(f"llama.cpp: {family}" in n and text in n for n in serving_notes(config, kept)), \
+                (family, serving_notes(config, kept))
+        for k, v in agrees.items():
+            setattr(config, k, v)
+        assert not any(text in n for n in serving_notes(config)), (family, serving_notes(config))
+
+
 def test_prune_py_prints_the_warning_before_any_work(tmp_path, tokenizer):
     """The warning comes before anything is read or written: here the run stops at once after it
     (its --data does not exist)."""
@@ -170,8 +191,9 @@ def test_vllm_period_settings_stay_consistent(tmp_path, tokenizer):
     remove_layers(ds, [0, 2, 3, 5])
     assert ds.config.num_nextn_predict_layers == 0
     oss = tiny("gpt_oss").config
-    assert serving_notes(oss, [0, 1, 4, 5]) == []  # the even/odd order kept
-    (note,) = serving_notes(oss, [0, 2, 3, 4, 5])
+    vllm = lambda kept: [n for n in serving_notes(oss, kept) if n.startswith("vLLM")]  # noqa: E731
+    assert vllm([0, 1, 4, 5]) == []  # the even/odd order kept
+    (note,) = vllm([0, 2, 3, 4, 5])
     assert note.startswith("vLLM: gpt_oss") and "[1, 2, 3, 4]" in note, note
 
 
