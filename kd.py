@@ -51,62 +51,60 @@ def positions(batch):
     return masks[0] & masks[-1] if masks else None
 
 
-def token_kl(student_logits, topk_ids, topk_logprobs):
-    """L_token of eq. 12 at every position: logits (..., V), ids and log-probs (..., K) -> (...)."""
-    logp_s = F.log_softmax(student_logits.float(), dim=-1).gather(-1, topk_ids)
+def token_kl(logp_s, topk_ids, topk_logprobs):
+    """L_token of eq. 12 at every position: the student's log-probs (..., V), the teacher's ids and
+    log-probs (..., K) -> (...). Every target's L_token takes the log-probs (kd_loss makes them)."""
     logp_t = topk_logprobs.float()
-    return (logp_t.exp() * (logp_t - logp_s)).sum(-1)
+    return (logp_t.exp() * (logp_t - logp_s.gather(-1, topk_ids))).sum(-1)
 
 
-def tail_token_kl(student_logits, topk_ids, topk_logprobs):
+def tail_token_kl(logp_s, topk_ids, topk_logprobs):
     """L_token over K + 1 classes: eq. 12's sum, plus r_t (log r_t - log r_s) for the V - K tokens
     off the teacher's top-K lumped, r = 1 - the top-K's mass. The student's r_s is fp32's 1 - Q,
     exact to ~1e-7 and stopped at 1e-7 (16 nats per unit of r_t): summing the V - K tokens
     themselves would cost a second pass over the logits (10% of a training step)."""
-    logp_s = F.log_softmax(student_logits.float(), dim=-1).gather(-1, topk_ids)
-    logp_t = topk_logprobs.float()
+    logp_s, logp_t = logp_s.gather(-1, topk_ids), topk_logprobs.float()
     rest_s = torch.log1p(-logp_s.exp().sum(-1).clamp(max=1 - 1e-7))
     rest_t = (1 - logp_t.exp().sum(-1)).clamp(min=0)  # from the stored (rounded) top-K: >= 0
     return (logp_t.exp() * (logp_t - logp_s)).sum(-1) + torch.xlogy(rest_t, rest_t) \
         - rest_t * rest_s
 
 
-def sampled_token_kl(student_logits, sample_ids):
+def sampled_token_kl(logp_s, sample_ids):
     """L_token against the empirical distribution of N draws x_j: KL = 1/N sum_j (log(m_j / N) -
     log p_s(x_j)), m_j how many of the N draws are x_j (a token drawn m times counts m times)."""
-    logp_s = F.log_softmax(student_logits.float(), dim=-1).gather(-1, sample_ids)
     m = (sample_ids[..., :, None] == sample_ids[..., None, :]).sum(-1)
-    return ((m / sample_ids.shape[-1]).log() - logp_s).mean(-1)
+    return ((m / sample_ids.shape[-1]).log() - logp_s.gather(-1, sample_ids)).mean(-1)
 
 
-def hybrid_token_kl(student_logits, topk_ids, topk_logprobs, sample_ids):
+def hybrid_token_kl(logp_s, topk_ids, topk_logprobs, sample_ids):
     """L_token against the top-K exactly and the rest by its draws x_j ~ p_t(. | off the top-K):
     sum_K p_t,c (log p_t,c - log p_s,c) + r_t/N sum_j (log(r_t m_j / N) - log p_s(x_j))."""
     rest_t = (1 - topk_logprobs.float().exp().sum(-1)).clamp(min=0)  # from the stored top-K: >= 0
-    return token_kl(student_logits, topk_ids, topk_logprobs) + torch.xlogy(rest_t, rest_t) \
-        + rest_t * sampled_token_kl(student_logits, sample_ids)
+    return token_kl(logp_s, topk_ids, topk_logprobs) + torch.xlogy(rest_t, rest_t) \
+        + rest_t * sampled_token_kl(logp_s, sample_ids)
 
 
-def full_token_kl(student_logits, teacher_logits):
+def full_token_kl(logp_s, teacher_logits):
     """L_token over the whole vocabulary: KL(p_t || p_s) = sum_v p_t,v (log p_t,v - log p_s,v)."""
     logp_t = F.log_softmax(teacher_logits.float(), dim=-1)
-    logp_s = F.log_softmax(student_logits.float(), dim=-1)
     return (logp_t.exp() * (logp_t - logp_s)).sum(-1)
 
 
-# L_token of each kind of teacher targets: fn(student logits (B, T, V), batch) -> (B, T)
+# L_token of each kind of teacher targets: fn(the student's log-probs (B, T, V), batch) -> (B, T)
 TARGETS = {
-    "topk": lambda z, b: token_kl(z, b["topk_ids"], b["topk_logprobs"]),
-    "tail": lambda z, b: tail_token_kl(z, b["topk_ids"], b["topk_logprobs"]),
-    "sampled": lambda z, b: sampled_token_kl(z, b["sample_ids"]),
-    "hybrid": lambda z, b: hybrid_token_kl(z, b["topk_ids"], b["topk_logprobs"], b["sample_ids"]),
-    "full": lambda z, b: full_token_kl(z, b["teacher_logits"][..., :z.shape[-1]]),
+    "topk": lambda lp, b: token_kl(lp, b["topk_ids"], b["topk_logprobs"]),
+    "tail": lambda lp, b: tail_token_kl(lp, b["topk_ids"], b["topk_logprobs"]),
+    "sampled": lambda lp, b: sampled_token_kl(lp, b["sample_ids"]),
+    "hybrid": lambda lp, b: hybrid_token_kl(lp, b["topk_ids"], b["topk_logprobs"], b["sample_ids"]),
+    "full": lambda lp, b: full_token_kl(lp, b["teacher_logits"][..., :lp.shape[-1]]),
 }
 
 
 def kd_loss(student_logits, batch, weighted):
     """Eq. 12 (weighted False: kd) or eq. 13 (True: akd) over the batch's targets, a scalar."""
-    per_token = TARGETS[batch.get("targets", "topk")](student_logits, batch)
+    logp_s = F.log_softmax(student_logits.float(), dim=-1)  # once, whichever the targets (fp32)
+    per_token = TARGETS[batch.get("targets", "topk")](logp_s, batch)
     if weighted:
         per_token = per_token * batch["entropy"].float()
     return masked_mean(per_token, positions(batch))

@@ -228,7 +228,8 @@ def _teacher_and_shards(seq_len, shards, shard_seqs):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, tok = load_model(None, device, dtype)
     blocks = _corpus_blocks(tok, seq_len, shards * shard_seqs)
-    jobs = {("train", j): blocks[j * shard_seqs:(j + 1) * shard_seqs] for j in range(shards)}
+    # compute_shards' jobs: (split, shard), its sequences, and nothing stored beside them
+    jobs = [(("train", j), blocks[j * shard_seqs:(j + 1) * shard_seqs], {}) for j in range(shards)]
     return model.eval(), tok, blocks, jobs, device
 
 
@@ -246,7 +247,7 @@ def bench_caching(seq_len=256, batch_size=4, shards=2, shard_seqs=4, topk=10, re
 
     def caching():
         with tempfile.TemporaryDirectory() as out:  # a fresh folder each round: no shard is reused
-            compute_shards(model, jobs.items(), out, identity, batch_size)
+            compute_shards(model, jobs, out, identity, batch_size)
             size["bytes"] = sum(f.stat().st_size for f in Path(out).iterdir())
 
     t_cache, t_plain, ratio = side_by_side(caching, plain, repeats, device)
@@ -388,7 +389,7 @@ def bench_sampling(seq_len=256, batch_size=4, shards=2, shard_seqs=4, samples=12
 
     def build(kind):
         with tempfile.TemporaryDirectory() as out:
-            compute_shards(model, jobs.items(), out, kinds[kind], batch_size)
+            compute_shards(model, jobs, out, kinds[kind], batch_size)
             size[kind] = sum(f.stat().st_size for f in Path(out).iterdir())
 
     n = blocks.numel()

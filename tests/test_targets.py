@@ -18,6 +18,11 @@ from cache_teacher import TeacherCache, build_cache
 from scale.fused_loss import _loss_fn, distinct_draws, head_kd_loss
 
 
+def ls(logits):
+    """The student's log-probs, what kd.py's L_token functions take."""
+    return torch.log_softmax(logits.float(), -1)
+
+
 def tail_kl_float64(student, teacher, K):
     """The K + 1-class KL, one position at a time, in float64 with Python sums: the teacher's top-K
     and the rest lumped, p_t,rest = 1 - sum_K p_t, p_s,rest = sum of the student's p over the rest."""
@@ -56,7 +61,7 @@ def test_tail_kl_equals_float64_written_out(K):
     student, teacher = torch.randn(B, T, V) * 2, torch.randn(B, T, V) * 2
     lp, ids = torch.log_softmax(teacher, -1).topk(K, -1)
     want = tail_kl_float64(student, teacher, K)
-    torch.testing.assert_close(kd.tail_token_kl(student, ids, lp).double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kd.tail_token_kl(ls(student), ids, lp).double(), want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(kd.LOSSES["kd"](student, {"topk_ids": ids, "topk_logprobs": lp,
                                                          "targets": "tail"}).double(),
                                want.mean(), rtol=1e-5, atol=1e-6)
@@ -69,7 +74,7 @@ def test_tail_kl_equals_float64_written_out(K):
     torch.testing.assert_close(loss.double(), want.mean(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(s32.grad.double(), s64.grad, rtol=1e-4, atol=1e-6)
     s = student.clone().requires_grad_(True)  # kd.py's by autograd too
-    kd.tail_token_kl(s, ids, lp).mean().backward()
+    kd.tail_token_kl(ls(s), ids, lp).mean().backward()
     torch.testing.assert_close(s.grad.double(), s64.grad, rtol=1e-4, atol=1e-6)
 
 
@@ -80,12 +85,12 @@ def test_tail_kl_is_zero_at_the_teacher_and_sees_the_mass_top_k_kd_does_not():
     V, K = 30, 5
     t = torch.randn(1, 1, V) * 2
     lp, ids = torch.log_softmax(t, -1).topk(K, -1)
-    assert kd.tail_token_kl(t, ids, lp).abs().max() < 1e-5
+    assert kd.tail_token_kl(ls(t), ids, lp).abs().max() < 1e-5
     on_top = torch.full_like(t, -30.0).scatter(-1, ids, lp)  # p_s = p_t / sum_K p_t on the top-K
-    assert kd.token_kl(on_top, ids, lp).item() < kd.token_kl(t, ids, lp).item()  # eq. 12 prefers it
+    assert kd.token_kl(ls(on_top), ids, lp).item() < kd.token_kl(ls(t), ids, lp).item()  # eq. 12 prefers it
     # r_t log(r_t / r_s) with r_t = 0.034 and r_s ~ 1e-12, which the loss stops at 1e-7
-    assert kd.tail_token_kl(on_top, ids, lp).item() == pytest.approx(
-        kd.token_kl(on_top, ids, lp).item() + 0.034 * math.log(0.034 / 1e-7), rel=0.05)
+    assert kd.tail_token_kl(ls(on_top), ids, lp).item() == pytest.approx(
+        kd.token_kl(ls(on_top), ids, lp).item() + 0.034 * math.log(0.034 / 1e-7), rel=0.05)
 
 
 def test_top_k_with_k_equal_v_is_the_full_kl():
@@ -95,8 +100,8 @@ def test_top_k_with_k_equal_v_is_the_full_kl():
     lp, ids = torch.log_softmax(teacher, -1).topk(V, -1)
     pt, ps = torch.softmax(teacher.double(), -1), torch.softmax(student.double(), -1)
     want = (pt * (pt.log() - ps.log())).sum(-1)
-    torch.testing.assert_close(kd.token_kl(student, ids, lp).double(), want, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(kd.full_token_kl(student, teacher).double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kd.token_kl(ls(student), ids, lp).double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kd.full_token_kl(ls(student), teacher).double(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_distinct_draws_count_every_draw_once():
@@ -123,7 +128,7 @@ def test_sampled_gradient_is_the_full_kl_gradient_in_expectation_and_top_k_is_no
     se = (p_t * (1 - p_t) / (N * M)).sqrt().max().item()
     draws = torch.multinomial(p_t.float().expand(M, V), N, replacement=True)
     zs = z.expand(M, V).clone().requires_grad_(True)
-    kd.sampled_token_kl(zs, draws).sum().backward()
+    kd.sampled_token_kl(ls(zs), draws).sum().backward()
     sampled = zs.grad.double().mean(0)
     assert (sampled - full).abs().max().item() < 5 * se, ((sampled - full).abs().max(), se)
     # the fused head: the same gradient from the distinct draws at their shares
@@ -133,7 +138,7 @@ def test_sampled_gradient_is_the_full_kl_gradient_in_expectation_and_top_k_is_no
     torch.testing.assert_close(zf.grad.double().mean(0), sampled, rtol=0, atol=1e-6)
     lp, tid = torch.log_softmax(t, -1).topk(K)
     zk = z.clone().requires_grad_(True)
-    kd.token_kl(zk, tid, lp).backward()
+    kd.token_kl(ls(zk), tid, lp).backward()
     assert (zk.grad.double() - full).abs().max().item() > 20 * se
 
 
@@ -147,11 +152,11 @@ def test_sampled_kl_reads_zero_at_its_own_draws_and_matches_float64():
     ps = torch.softmax(student.double(), -1)
     want = torch.tensor([sum(m / N * math.log(m / N / ps[r, c].item()) for c, m in Counter(row).items())
                          for r, row in enumerate(draws.tolist())], dtype=torch.float64)
-    torch.testing.assert_close(kd.sampled_token_kl(student, draws).double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kd.sampled_token_kl(ls(student), draws).double(), want, rtol=1e-5, atol=1e-6)
     empirical = torch.zeros(6, V).scatter_add_(-1, draws, torch.full((6, N), 1 / N)).clamp(min=1e-30).log()
-    assert kd.sampled_token_kl(empirical, draws).abs().max() < 1e-5
+    assert kd.sampled_token_kl(ls(empirical), draws).abs().max() < 1e-5
     torch.testing.assert_close(fused(student[None], *distinct_draws(draws[None])),
-                               kd.sampled_token_kl(student, draws).mean(), rtol=1e-5, atol=1e-6)
+                               kd.sampled_token_kl(ls(student), draws).mean(), rtol=1e-5, atol=1e-6)
 
 
 def hybrid_kl_float64(student, ids, logprobs, draws):
@@ -183,7 +188,7 @@ def test_hybrid_kl_matches_float64_and_reads_zero_at_its_target():
     ids, lp, draws = (torch.cat(x) for x in zip(*rows))
     want = torch.tensor([hybrid_kl_float64(student[i], ids[i], lp[i], draws[i]) for i in range(5)],
                         dtype=torch.float64)
-    got = kd.hybrid_token_kl(student, ids, lp, draws)
+    got = kd.hybrid_token_kl(ls(student), ids, lp, draws)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     batch = {"targets": "hybrid", "topk_ids": ids[None], "topk_logprobs": lp[None], "sample_ids": draws[None],
              "entropy": torch.ones(1, 5)}
@@ -192,7 +197,7 @@ def test_hybrid_kl_matches_float64_and_reads_zero_at_its_target():
     target = torch.full((5, V), 1e-30)  # the target distribution itself as the student's softmax
     r = 1 - lp.exp().sum(-1, keepdim=True)
     target.scatter_(-1, ids, lp.exp()).scatter_add_(-1, draws, r.expand(5, N) / N)
-    assert kd.hybrid_token_kl(target.log(), ids, lp, draws).abs().max() < 1e-5
+    assert kd.hybrid_token_kl(ls(target.log()), ids, lp, draws).abs().max() < 1e-5
 
 
 def test_hybrid_gradient_is_the_full_kl_gradient_in_expectation_with_less_variance_than_sampled():
@@ -210,11 +215,11 @@ def test_hybrid_gradient_is_the_full_kl_gradient_in_expectation_with_less_varian
     q = p_t.index_fill(0, ids[0], 0) / r
     se = (r * (q * (1 - q) / (N * M)).sqrt()).max().item()
     zh = z.expand(M, V).clone().requires_grad_(True)
-    kd.hybrid_token_kl(zh, ids, lp, draws).sum().backward()
+    kd.hybrid_token_kl(ls(zh), ids, lp, draws).sum().backward()
     hybrid = zh.grad.double()
     assert (hybrid.mean(0) - full).abs().max().item() < 5 * se, ((hybrid.mean(0) - full).abs().max(), se)
     zs = z.expand(M, V).clone().requires_grad_(True)
-    kd.sampled_token_kl(zs, torch.multinomial(p_t.float().expand(M, V), N, replacement=True)).sum().backward()
+    kd.sampled_token_kl(ls(zs), torch.multinomial(p_t.float().expand(M, V), N, replacement=True)).sum().backward()
     var = lambda g: g.var(0).sum().item()  # noqa: E731
     assert var(hybrid) < var(zs.grad.double()) / 3, (var(hybrid), var(zs.grad.double()), r.item())
 
