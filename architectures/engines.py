@@ -11,6 +11,7 @@ no file can fix (read from the engines' sources: docs/architectures.md cites the
              DeepSeek    a model with q_lora_rank pruned to 26 or 27 layers is taken for V2-Lite
                          (src/models/deepseek2.cpp)
   vLLM       GPT-OSS     sliding window iff j % 2 == 0, hard-coded (models/gpt_oss.py)
+             Llama-4     MoE iff (j + 1) % interleave_moe_layer_step == 0 (models/llama4.py)
 
 and, dense and pruned alike, settings llama.cpp hard-codes where a config may say otherwise (the
 released checkpoints agree with llama.cpp except GPT-OSS's):
@@ -22,7 +23,6 @@ released checkpoints agree with llama.cpp except GPT-OSS's):
              Qwen3-MoE   the top-k routing weights always normalised (src/models/qwen3moe.cpp)
              Llama-4     attention chunks of 8192 tokens whatever attention_chunk_size says
                          (src/models/llama4.cpp)
-             Llama-4     MoE iff (j + 1) % interleave_moe_layer_step == 0 (models/llama4.py)
 
 The sliding-window order of Gemma-2/3, GPT-OSS and Cohere2 in llama.cpp is no such case: the GGUF
 command (architectures/gguf.py) writes it per layer. surgery.serving_notes imports this module only

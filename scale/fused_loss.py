@@ -32,8 +32,9 @@ def _chunk_losses(h, weight, bias, post, ids, logprobs, w, rows, need_grad, tail
 
     the student's softmax scaled to the mass the teacher put on the top-K, minus that mass where
     it lies. Sampled targets are the same sum with p_t the draws' shares (log 0 = -inf on unused
-    slots: 0 log 0 = 0), hybrid ones the top-K's and then the rest's draws at r_t times theirs. tail: K + 1 classes, + r_t (log r_t - log r_s) with the teacher's rest
-    r_t = 1 - P_i and the student's r_s = 1 - Q_i, Q_i = sum_k s_c_k; with c_i = r_t / r_s it adds
+    slots: 0 log 0 = 0), hybrid ones the top-K's and then the rest's draws at r_t times theirs.
+    tail: K + 1 classes, + r_t (log r_t - log r_s) with the teacher's rest r_t = 1 - P_i and the
+    student's r_s = 1 - Q_i, Q_i = sum_k s_c_k; with c_i = r_t / r_s it adds
 
         c_i (s_v [v in top-K] - Q_i s_v).
 
@@ -346,19 +347,20 @@ def _loss_fn(kind, batch, vocab, chunk):
                                                  batch.get("loss_mask"))
         entropy = None
     elif kind in ("kd", "akd") and targets in ("topk", "tail", "sampled", "hybrid"):
-        if targets in ("sampled", "hybrid"):  # each drawn token once, with its share of the draws
+        if targets in ("topk", "tail"):
+            ids, logprobs, tail = batch["topk_ids"], batch["topk_logprobs"], targets == "tail"
+        else:  # sampled, hybrid: each drawn token once, with its share of the draws
             ids, logprobs = distinct_draws(batch["sample_ids"])
-        if targets == "hybrid":  # the top-K, then the rest's draws at r_t times their shares
+        if targets == "hybrid":  # the top-K first, then the rest's draws at r_t times their shares
             top = batch["topk_logprobs"].float()
             rest = (1 - top.exp().sum(-1, keepdim=True)).clamp(min=0).log()
             ids = torch.cat([batch["topk_ids"], ids], -1)
             logprobs = torch.cat([top, rest + logprobs], -1)
-        elif targets != "sampled":
-            ids, logprobs, tail = batch["topk_ids"], batch["topk_logprobs"], targets == "tail"
         mask, entropy = kd.positions(batch), batch["entropy"] if kind == "akd" else None
     else:
         raise E3Error(f"the fused LM head implements the losses akd, kd and sft over top-K, tail, "
-                      f"sampled or hybrid targets, not '{kind}' over '{targets}'; run with --logit-chunk 0 "
+                      f"sampled or hybrid targets, not '{kind}' over '{targets}'; run with "
+                      f"--logit-chunk 0 "
                       f"(the plain logits path, kd.py), or teach scale/fused_loss.py the new loss")
     return lambda x, W, b, post: head_kd_loss(x, W, b, ids, logprobs, entropy, mask, post, vocab,
                                               chunk, tail, batch.get("weight", 1.0))
