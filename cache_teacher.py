@@ -757,10 +757,11 @@ class TeacherCache:
     def len_split(self, split_name):
         return self.meta["sequences"][split_name]
 
-    def get(self, indices, split_name="train"):
+    def get(self, indices, split_name="train", keys=None):
         """Rows `indices` of a split, any order: input_ids (n,T) int64, topk_ids (n,T,K) int64 and
         topk_logprobs (n,T,K) fp32 (sampled, hybrid: sample_ids (n,T,N)), entropy (n,T) fp32,
-        loss_mask (n,T) bool if the cache has one (--assistant-only) and "targets" (kd.TARGETS)."""
+        loss_mask (n,T) bool if the cache has one (--assistant-only) and "targets" (kd.TARGETS);
+        keys: only those tensors are read."""
         indices = torch.as_tensor(indices, dtype=torch.long).reshape(-1).tolist()
         n, T, S = len(indices), self.seq_len, self.meta["shard_seqs"]
         last = {"topk_ids": self.topk, "topk_logprobs": self.topk, "sample_ids": self.samples}
@@ -769,7 +770,7 @@ class TeacherCache:
                              f"'{split_name}' sequences")
         stored = storage_dtypes(self.vocab_size, self.targets, self.meta.get("assistant_only"))
         batch = {k: torch.empty((n, T, last[k]) if k in last else (n, T), dtype=self.OUT_DTYPES[k])
-                 for k in stored}
+                 for k in stored if keys is None or k in keys}
         rows_of = {}  # grouped by shard: each file opened once a call
         for pos, i in enumerate(indices):
             rows_of.setdefault(i // S, []).append((pos, i % S))

@@ -129,6 +129,8 @@ def test_user_turns_get_no_gradient(tiny_model, tokenizer, chat_cache):
     ids, counts = reference_positions(tokenizer, path, cache)
     assert torch.equal(batch["input_ids"], ids) and torch.equal(batch["loss_mask"], counts)
     assert 0 < counts.float().mean() < 1
+    only = cache.get(rows[::-1], keys=("loss_mask",))  # the step's weights read the mask alone
+    assert set(only) == {"loss_mask", "targets"} and torch.equal(only["loss_mask"], counts.flip(0))
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     with torch.no_grad():  # a student other than the teacher: its last hidden state moved
@@ -200,7 +202,8 @@ def test_a_step_is_the_mean_over_its_counted_positions():
     per_token = torch.rand(8, 16, generator=g, dtype=torch.float64) * 5
 
     class Source:
-        def get(self, rows):
+        def get(self, rows, keys=None):
+            assert keys == ("loss_mask",)  # the weights read the mask alone
             return {"loss_mask": mask[rows]}
     for kind, counted, values in (("kd", mask, per_token),
                                   ("sft", mask[:, :-1], per_token[:, :-1])):
