@@ -69,6 +69,8 @@ declare -A METHOD=(
   # hybrid: the top-8 exactly and 12 draws from the rest of the teacher's softmax (62 bytes a token)
   [hybrid-kd]="--layers $KL --loss kd --targets hybrid --topk 8 --samples 12"
   [hybrid-akd]="--layers $KL --loss akd --targets hybrid --topk 8 --samples 12"
+  # ... and its larger version, the top-16 and 24 draws (118 bytes a token): less variance to leave
+  [hybrid16-kd]="--layers $KL --loss kd --targets hybrid --topk 16 --samples 24"
   [full-kd]="--layers $KL --loss kd --kd-full"
   # E3's default run (its search, AKD) with the hybrid target in place of the top-10
   [e3-hybrid]="--loss akd --targets hybrid --topk 8 --samples 12"
@@ -102,13 +104,15 @@ elif [ "$1" = series ] || [ "$1" = variants ] || [ "$1" = budget4x ] || [ "$1" =
   # series skips those, so it goes on later, on another machine, where it stopped. JOBS=2 runs two
   # at a time, one thread each (the first run builds the teacher cache alone); METHODS="a b" and
   # SEEDS="1 2" pick runs, and drivers started side by side share the queue (each run is claimed).
-  [ "$1" = table ] && { python experiments/seeds.py table; exit; }
+  # RESULTS=DIR records elsewhere (another machine's series, kept apart from this one's).
+  O=${RESULTS:-experiments/results}
+  [ "$1" = table ] && { python experiments/seeds.py table $O; exit; }
   [ -f $D/search-mix.jsonl ] || python experiments/domains.py $D > /dev/null
   # budget4x: 320 steps (327,680 tokens, a 32-step search), its own teacher cache; names end in -4x;
   # a checkpoint every 40 steps (an hour's run on one thread: a stopped machine loses 40 steps at most)
   X=""; { [ "$1" = budget4x ] || [ -n "${X4:-}" ]; } && { X=-4x; P=${P/--tokens 81920/--tokens 327680}; P=${P/--ckpt-every 1000/--ckpt-every 40}; }
   series_run() {  # METHOD SEED: train, score on the three corpora, record
-    local m=$1 s=$2 name=$1$X-s$2; local out=experiments/results/$name.json
+    local m=$1 s=$2 name=$1$X-s$2; local out=$O/$name.json
     [ -f "$out" ] && return
     # claimed by a mkdir (atomic): several drivers can share the queue (after a kill: rm -r $R/claims)
     mkdir -p $R/claims; mkdir $R/claims/$name 2> /dev/null || return 0
@@ -116,7 +120,7 @@ elif [ "$1" = series ] || [ "$1" = variants ] || [ "$1" = budget4x ] || [ "$1" =
     for c in shakespeare python-docs torch-code; do
       local data=""; [ $c = shakespeare ] || data="--data $D/$c.jsonl --val-frac 1"
       python evaluate.py --model $R/$name $data --no-speed --no-figures --seq-len 128 \
-        --max-tokens 16384 --report $R/$name/eval-$c >> "$R/$name.out" 2>&1
+        --max-tokens 16384 --dtype float32 --report $R/$name/eval-$c >> "$R/$name.out" 2>&1
     done
     python experiments/seeds.py record $R/$name $m$X $s $out $R/$name/eval-*.json > /dev/null
     echo "$(date +%H:%M) $name: $(python -c "import json, sys; r = json.load(open(sys.argv[1]))
@@ -130,23 +134,33 @@ print({c: round(v['ppl'], 2) for c, v in r['corpora'].items()})" $out)"
     e3-masks8 e3-scale4 e3-lr-linear e3-search-kd e3-calib-mix kl-calib-mix
   elif [ "$1" = budget4x ]; then SEEDS=${SEEDS:-0 1 2} add kl-oneshot e3-akd
   elif [ "$1" = targets ]; then SEEDS=${SEEDS:-0 1 2} add topk-kd sampled12-kd full-kd tail-kd \
-    topk-akd sampled12-akd tail-akd hybrid-kd hybrid-akd sampled8-kd sampled24-kd sampled8-akd sampled24-akd
+    topk-akd sampled12-akd tail-akd hybrid-kd hybrid-akd sampled8-kd sampled24-kd sampled8-akd sampled24-akd \
+    hybrid16-kd
   else
     add kl-oneshot e3-akd; add evo random; add minitron e3-kd sheared
     # ShortGPT trains nothing, so it cannot be the run that builds the cache
     order=("${order[0]}" "shortgpt 0" "${order[@]:1}")
   fi
-  series_run ${order[0]}  # alone: it builds the teacher cache every later run reads
-  for job in "${order[@]:1}"; do
+  # The runs that build a teacher cache go first, one per cache (two runs building one cache would
+  # race), then the rest, which read them; JOBS at a time, one thread each.
+  declare -A seen=(); first=(); rest=()
+  for job in "${order[@]}"; do
+    key="$(grep -oE -- '--(targets|topk|samples|search-data) [^ ]+' <<< "${METHOD[${job% *}]}" | xargs || true)"
+    [ "${job% *}" != shortgpt ] && [ -z "${seen[.$key]:-}" ] && { seen[.$key]=1; first+=("$job"); } || rest+=("$job")
+  done
+  launch() {
     if [ "${JOBS:-1}" -gt 1 ]; then
       while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
-      OMP_NUM_THREADS=1 series_run $job &
+      OMP_NUM_THREADS=1 series_run $1 $2 &
     else
-      series_run $job
+      series_run $1 $2
     fi
-  done
+  }
+  for job in "${first[@]}"; do launch $job; done
   wait
-  python experiments/seeds.py table
+  for job in "${rest[@]}"; do launch $job; done
+  wait
+  python experiments/seeds.py table $O
 else
   run e3-init-bi     $P --init bi
   run e3-init-random $P --init random

@@ -30,8 +30,8 @@ METHODS = ["shortgpt", "minitron", "sheared", "kl-oneshot", "random", "evo", "e3
            "e3-masks2", "e3-masks8", "e3-scale4", "e3-lr-linear", "e3-search-kd", "e3-calib-mix",
            "kl-calib-mix", "kl-oneshot-4x", "e3-akd-4x",
            "topk-kd", "topk-akd", "tail-kd", "tail-akd", "sampled8-kd", "sampled12-kd", "sampled24-kd",
-           "sampled8-akd", "sampled12-akd", "sampled24-akd", "hybrid-kd", "hybrid-akd", "full-kd",
-           "e3-hybrid"]
+           "sampled8-akd", "sampled12-akd", "sampled24-akd", "hybrid-kd", "hybrid-akd", "hybrid16-kd",
+           "full-kd", "e3-hybrid"]
 LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitron-style (BI + KD)",
           "sheared": "Sheared-style (L0 + KD)", "kl-oneshot": "KL one-shot + AKD",
           "random": "random search + AKD", "evo": "evolutionary search + AKD",
@@ -51,13 +51,13 @@ LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitr
              for t, name in (("topk", "top-10"), ("tail", "top-10 + tail"),
                              ("sampled8", "sampled N = 8"), ("sampled12", "sampled N = 12"),
                              ("sampled24", "sampled N = 24"), ("hybrid", "top-8 + 12 draws from the rest"),
-                             ("full", "full-vocabulary"))
+                             ("hybrid16", "top-16 + 24 draws from the rest"), ("full", "full-vocabulary"))
              for loss in ("kd", "akd")},
           **{f"{t}-{loss}-4x": f"{name} {loss.upper()} (KL one-shot's layers), 4x tokens"
              for t, name in (("topk", "top-10"), ("tail", "top-10 + tail"),
                              ("sampled8", "sampled N = 8"), ("sampled12", "sampled N = 12"),
                              ("sampled24", "sampled N = 24"), ("hybrid", "top-8 + 12 draws from the rest"),
-                             ("full", "full-vocabulary"))
+                             ("hybrid16", "top-16 + 24 draws from the rest"), ("full", "full-vocabulary"))
              for loss in ("kd", "akd")}}
 PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot"),
          ("e3-akd", "evo"), ("e3-calib-mix", "kl-calib-mix"),
@@ -189,7 +189,8 @@ def table(results_dir=RESULTS):
 
 
 TARGETS = ["full-kd", "topk-kd", "topk-akd", "tail-kd", "tail-akd", "sampled8-kd", "sampled12-kd",
-           "sampled24-kd", "sampled8-akd", "sampled12-akd", "sampled24-akd", "hybrid-kd", "hybrid-akd"]
+           "sampled24-kd", "sampled8-akd", "sampled12-akd", "sampled24-akd", "hybrid-kd", "hybrid-akd",
+           "hybrid16-kd"]
 
 
 def targets_table(results_dir=RESULTS, budget=""):
