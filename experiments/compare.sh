@@ -102,7 +102,7 @@ elif [ "$1" = series ] || [ "$1" = variants ] || [ "$1" = budget4x ] || [ "$1" =
   # the teacher cache and the KL/BI scores are the same for every seed, and ShortGPT (no training,
   # no draws) is one run. Each finished run leaves experiments/results/NAME.json (kept in git): the
   # series skips those, so it goes on later, on another machine, where it stopped. JOBS=2 runs two
-  # at a time, one thread each (the first run builds the teacher cache alone); METHODS="a b" and
+  # at a time, one thread each (the runs that build a teacher cache first); METHODS="a b" and
   # SEEDS="1 2" pick runs, and drivers started side by side share the queue (each run is claimed).
   # RESULTS=DIR records elsewhere (another machine's series, kept apart from this one's).
   O=${RESULTS:-experiments/results}
