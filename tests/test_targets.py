@@ -2,7 +2,7 @@
 --kd-full): the K + 1-class KL against float64 written out token by token; the sampled target's gradient,
 averaged over many draws, against the full KL's (the same check fails for top-K); top-K with K = V equals
 the full KL; the fused head computes what kd.py does; the bytes a token of each cache, the draws seeded,
-drawn from the teacher; prune.py with each."""
+drawn from the teacher; prune.py with each; experiments/target_noise.py's variances against draws."""
 import itertools
 import json
 import math
@@ -369,3 +369,34 @@ def test_two_ranks_with_a_sampled_cache_match_one_process(make_tiny, corpus, tmp
         run(tiny_args(model, corpus, tmp_path / out, "--steps", "4", "--cache", sampled), tmp_path, nproc=n)
     assert train_losses(tmp_path / "two") == pytest.approx(train_losses(tmp_path / "one"), rel=1e-3)
     assert events(tmp_path / "two", "pruned")[0]["kept"] == events(tmp_path / "one", "pruned")[0]["kept"]
+
+
+def test_target_noise_variances_match_draws_and_the_bias_is_top_ks_alone():
+    """experiments/target_noise.py's added variances E||q - p_t||^2 of the sampled and hybrid targets
+    against 40,000 sets of draws made here (the hybrid's off the top-K, weighted by r), and top-K's
+    bias ||r p_s - p_t,off||^2 against its expected gradient minus the full KL's written out."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    from target_noise import HYBRID, SAMPLED, teacher_terms, top_k_bias
+    g = torch.Generator().manual_seed(0)
+    p_t = torch.softmax(torch.randn(1, 40, generator=g, dtype=torch.float64) * 2, -1)
+    terms, R = teacher_terms(p_t), 40_000
+    for n in SAMPLED:
+        q = torch.multinomial(p_t[0], R * n, replacement=True, generator=g).view(R, n)
+        q = torch.zeros(R, 40, dtype=torch.float64).scatter_add_(1, q, torch.ones(R, n, dtype=torch.float64)) / n
+        mc = ((q - p_t) ** 2).sum(-1)
+        assert terms[f"sampled N={n}"].item() == pytest.approx(mc.mean().item(), abs=5 * mc.std().item() / R ** 0.5)
+    for k, n in HYBRID:
+        top = p_t[0].topk(k).indices
+        off = p_t[0].scatter(0, top, 0.0)
+        r = off.sum()
+        x = torch.multinomial(off / r, R * n, replacement=True, generator=g).view(R, n)
+        q = p_t[0] - off + r * torch.zeros(R, 40, dtype=torch.float64).scatter_add_(
+            1, x, torch.ones(R, n, dtype=torch.float64)) / n
+        mc = ((q - p_t) ** 2).sum(-1)
+        assert terms[f"hybrid K={k} N={n}"].item() == pytest.approx(mc.mean().item(), abs=5 * mc.std().item() / R ** 0.5)
+    p_s = torch.softmax(torch.randn(1, 40, generator=g, dtype=torch.float64), -1)
+    top = p_t[0].topk(10).indices
+    grad_topk = p_t[0, top].sum() * p_s[0] - torch.zeros(40, dtype=torch.float64).index_add_(0, top, p_t[0, top])
+    assert top_k_bias(p_s, p_t).item() == pytest.approx(((grad_topk - (p_s[0] - p_t[0])) ** 2).sum().item(), rel=1e-12)
+    assert top_k_bias(p_t, p_t).item() > 0  # biased even at the teacher
