@@ -16,8 +16,9 @@ round, and prints one line `name: ratio (goal ...)` with the median of the per-r
     init      KL importance with prefix reuse / the naive L+1 full forwards
     speedup   the exported k-layer model's prefill and decode speedup / the matmul-FLOP ideal
     fused     a training step with the LM head and the loss fused, chunked / the plain logits path
-    targets   a training step with top-K + tail, sampled (N = 12) and hybrid targets / the top-K step
-    sampling  a sampled (N = 12) and a hybrid cache's build throughput / a top-K cache's
+    targets   a training step with top-K + tail, sampled (N = 12) and hybrid (K = 8, N = 12; K = 16,
+              N = 24) targets / the top-K step
+    sampling  a sampled (N = 12) and the hybrid caches' build throughput / a top-K cache's
 
 Every step is prune.py's own: its losses (prune.plain_losses, scale.fused_loss.FusedLoss), its
 optimizer, its search and cut; nothing here reaches into a function's insides.
@@ -352,8 +353,8 @@ def bench_fused(seq_len=512, batch=1, repeats=5, chunk=256):
 def bench_targets(seq_len=128, batch=4, repeats=5, samples=12):
     """8. The targets beside the paper's top-K (kd.TARGETS) must cost a KD step next to nothing:
     top-K + tail (one more log-sum-exp over the logits), sampled (N ids instead of K) and hybrid
-    (the top-8 and N draws from the rest), each a training step of prune.py's plain path against
-    the top-K step, alternating."""
+    (the top-8 and N draws from the rest; the top-16 and 24), each a training step of prune.py's
+    plain path against the top-K step, alternating."""
     device = _device()
     model, tok = _trainable(device=device)
     vocab = vocab_size(tok)
@@ -361,13 +362,14 @@ def bench_targets(seq_len=128, batch=4, repeats=5, samples=12):
     sampled = {"input_ids": topk["input_ids"], "targets": "sampled",
                **teacher_targets(model.eval(), topk["input_ids"], vocab, 10, samples=samples,
                                  generator=torch.Generator(device).manual_seed(0))}
-    hybrid = {"input_ids": topk["input_ids"], "targets": "hybrid",
-              **teacher_targets(model.eval(), topk["input_ids"], vocab, 8, samples=samples,
-                                generator=torch.Generator(device).manual_seed(0))}
+    hybrid = {(k, n): {"input_ids": topk["input_ids"], "targets": "hybrid",
+                       **teacher_targets(model.eval(), topk["input_ids"], vocab, k, samples=n,
+                                         generator=torch.Generator(device).manual_seed(0))}
+              for k, n in ((8, samples), (16, 24))}
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     for name, other in (("tail", {**topk, "targets": "tail"}), (f"sampled{samples}", sampled),
-                        (f"hybrid8+{samples}", hybrid)):
+                        *((f"hybrid{k}+{n}", b) for (k, n), b in hybrid.items())):
         t_o, t_k, ratios = side_by_side(lambda: _train_step(model, opt, other, vocab, device),
                                         lambda: _train_step(model, opt, topk, vocab, device),
                                         repeats, device)
@@ -376,8 +378,8 @@ def bench_targets(seq_len=128, batch=4, repeats=5, samples=12):
 
 
 def bench_sampling(seq_len=256, batch_size=4, shards=2, shard_seqs=4, samples=12, repeats=5):
-    """9. A sampled cache (N draws a position from the full softmax) and a hybrid one (the top-8 and
-    N draws from the rest) against a top-K cache: the same forwards, then a multinomial draw
+    """9. A sampled cache (N draws a position from the full softmax) and hybrid ones (the top-8 and
+    N draws from the rest; the top-16 and 24) against a top-K cache: the same forwards, then a multinomial draw
     instead of (or beside) a top-K, each written as cache_teacher.py writes them."""
     model, tok, blocks, jobs, device = _teacher_and_shards(seq_len, shards, shard_seqs)
     vocab, size = vocab_size(tok), {}
@@ -385,7 +387,9 @@ def bench_sampling(seq_len=256, batch_size=4, shards=2, shard_seqs=4, samples=12
              "sampled": {"vocab_size": vocab, "topk": None, "targets": "sampled",
                          "samples": samples, "sample_seed": 0},
              "hybrid": {"vocab_size": vocab, "topk": 8, "targets": "hybrid", "samples": samples,
-                        "sample_seed": 0}}
+                        "sample_seed": 0},
+             "hybrid16": {"vocab_size": vocab, "topk": 16, "targets": "hybrid", "samples": 24,
+                          "sample_seed": 0}}
 
     def build(kind):
         with tempfile.TemporaryDirectory() as out:
@@ -393,7 +397,8 @@ def bench_sampling(seq_len=256, batch_size=4, shards=2, shard_seqs=4, samples=12
             size[kind] = sum(f.stat().st_size for f in Path(out).iterdir())
 
     n = blocks.numel()
-    for kind, what in (("sampled", f"N = {samples}"), ("hybrid", f"K = 8, N = {samples}")):
+    for kind, what in (("sampled", f"N = {samples}"), ("hybrid", f"K = 8, N = {samples}"),
+                       ("hybrid16", "K = 16, N = 24")):
         t_s, t_k, ratio = side_by_side(lambda: build(kind), lambda: build("topk"), repeats, device)
         report(f"sampling-{kind}", [1 / r for r in ratio], ">= 0.9", "of a top-K cache's throughput",
                f"{n / t_s:.0f} vs {n / t_k:.0f} tok/s; {size[kind] / n:.1f} vs "
