@@ -379,8 +379,8 @@ def bench_targets(seq_len=128, batch=4, repeats=5, samples=12):
 
 def bench_sampling(seq_len=256, batch_size=4, shards=2, shard_seqs=4, samples=12, repeats=5):
     """9. A sampled cache (N draws a position from the full softmax) and hybrid ones (the top-8 and
-    N draws from the rest; the top-16 and 24) against a top-K cache: the same forwards, then a multinomial draw
-    instead of (or beside) a top-K, each written as cache_teacher.py writes them."""
+    N draws from the rest; the top-16 and 24) against a top-K cache: the same forwards, then a
+    multinomial draw instead of (or beside) a top-K, each written as cache_teacher.py writes them."""
     model, tok, blocks, jobs, device = _teacher_and_shards(seq_len, shards, shard_seqs)
     vocab, size = vocab_size(tok), {}
     kinds = {"topk": {"vocab_size": vocab, "topk": 10},

@@ -33,11 +33,12 @@ TOPK = 10
 @torch.no_grad()
 def teacher_terms(p_t):
     """Per position (p_t: (n, V)): each unbiased sparse target's added variance E||q - p_t||^2."""
-    out = {f"sampled N={n}": (1 - (p_t * p_t).sum(-1)) / n for n in SAMPLED}
+    sq = (p_t * p_t).sum(-1)  # sum_v p_t,v^2, one pass over the vocabulary for every target
+    out = {f"sampled N={n}": (1 - sq) / n for n in SAMPLED}
     top = p_t.topk(max(k for k, _ in HYBRID), dim=-1).values  # sorted, largest first
     for k, n in HYBRID:
         r = (1 - top[..., :k].sum(-1)).clamp(min=0)
-        off_sq = (p_t * p_t).sum(-1) - (top[..., :k] ** 2).sum(-1)  # sum of p_t^2 off the top-K
+        off_sq = sq - (top[..., :k] ** 2).sum(-1)  # sum of p_t^2 off the top-K
         out[f"hybrid K={k} N={n}"] = (r * r - off_sq) / n  # r^2 (1 - sum_off pi^2) / N
     return out
 

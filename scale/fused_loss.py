@@ -360,8 +360,8 @@ def _loss_fn(kind, batch, vocab, chunk):
     else:
         raise E3Error(f"the fused LM head implements the losses akd, kd and sft over top-K, tail, "
                       f"sampled or hybrid targets, not '{kind}' over '{targets}'; run with "
-                      f"--logit-chunk 0 "
-                      f"(the plain logits path, kd.py), or teach scale/fused_loss.py the new loss")
+                      f"--logit-chunk 0 (the plain logits path, kd.py), or teach "
+                      f"scale/fused_loss.py the new loss")
     return lambda x, W, b, post: head_kd_loss(x, W, b, ids, logprobs, entropy, mask, post, vocab,
                                               chunk, tail, batch.get("weight", 1.0))
 
