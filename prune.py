@@ -552,9 +552,10 @@ def main(argv=None):
     run.create()
     resumed = run.latest()  # None, or the small state of the newest checkpoint
     model, _ = build_student(args, args.device, world, kept=resumed and resumed["kept"])
-    teacher = None  # --kd-full: the model that made the cache, frozen, in eval mode
+    teacher = None  # --kd-full: the model that made the cache, in its dtype, frozen, in eval mode
     if args.kd_full and cache:
-        teacher = load_model(cache.meta["model"]["model"], args.device)[0]
+        teacher = load_model(cache.meta["model"]["model"], args.device,
+                             getattr(torch, cache.meta.get("teacher_dtype", "float32")))[0]
         teacher.eval().requires_grad_(False)  # frozen: its forwards record no graph
     opt = make_optimizer(model, args)
     vocab = cache.vocab_size if cache else vocab_size(tok)

@@ -358,6 +358,27 @@ def test_prune_py_with_each_target(make_tiny, corpus, tmp_path, monkeypatch, cap
     assert train_losses(tmp_path / "full")[0] == pytest.approx(sum(want) / 4, rel=1e-4)
 
 
+def test_kd_full_distils_the_teacher_in_the_dtype_that_made_the_cache(make_tiny, corpus, tmp_path, monkeypatch):  # noqa: F811
+    """--kd-full is the reference each cached target is measured against, so it must distil the same
+    teacher: on a GPU cache_teacher.py runs the teacher in bf16 (meta.json's teacher_dtype), and the
+    online teacher beside the student must too (an fp32 one would be a better teacher than the cache's)."""
+    import prune
+    model = make_tiny("llama", L)
+    cache = Path(build_cache(model, corpus, tmp_path / "cache", seq_len=32, max_tokens=4096))
+    meta = json.loads((cache / "meta.json").read_text())
+    assert meta["teacher_dtype"] == "float32"  # built here, on a CPU
+    (cache / "meta.json").write_text(json.dumps({**meta, "teacher_dtype": "bfloat16"}))  # as a GPU's
+    seen = []
+    full = kd.TARGETS["full"]
+    monkeypatch.setitem(kd.TARGETS, "full", lambda z, b: seen.append(b) or full(z, b))
+    prune.main(tiny_args(model, corpus, tmp_path / "full", "--steps", "1", "--cache", str(cache),
+                         "--kd-full", "--loss", "kd"))
+    from transformers import AutoModelForCausalLM
+    teacher = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(seen[0]["teacher_logits"], teacher(seen[0]["input_ids"]).logits)
+
+
 @pytest.mark.parametrize("targets", ["sampled", "hybrid"])
 def test_two_ranks_with_a_sampled_cache_match_one_process(make_tiny, corpus, tmp_path, targets):  # noqa: F811
     """Two FSDP2 ranks (the vocabulary-parallel head fused with the loss) against one process on the
