@@ -104,13 +104,16 @@ elif [ "$1" = series ] || [ "$1" = variants ] || [ "$1" = budget4x ] || [ "$1" =
   # series skips those, so it goes on later, on another machine, where it stopped. JOBS=2 runs two
   # at a time, one thread each (the runs that build a teacher cache first); METHODS="a b" and
   # SEEDS="1 2" pick runs, and drivers started side by side share the queue (each run is claimed).
-  # RESULTS=DIR records elsewhere (another machine's series, kept apart from this one's).
+  # RESULTS=DIR records elsewhere (another machine's series, kept apart from this one's); on a GPU
+  #   RUNS=runs/gpu RESULTS=experiments/results-h200 JOBS=8 CKPT=1000 bash experiments/compare.sh targets
+  # with its X4=1 twin beside it made the H200's series (16 runs at once: 36 runs in 8 minutes).
   O=${RESULTS:-experiments/results}
   [ "$1" = table ] && { python experiments/seeds.py table $O; exit; }
   [ -f $D/search-mix.jsonl ] || python experiments/domains.py $D > /dev/null
   # budget4x: 320 steps (327,680 tokens, a 32-step search), its own teacher cache; names end in -4x;
-  # a checkpoint every 40 steps (an hour's run on one thread: a stopped machine loses 40 steps at most)
-  X=""; { [ "$1" = budget4x ] || [ -n "${X4:-}" ]; } && { X=-4x; P=${P/--tokens 81920/--tokens 327680}; P=${P/--ckpt-every 1000/--ckpt-every 40}; }
+  # a checkpoint every CKPT = 40 steps (an hour's run on one thread: a stopped machine loses 40 steps
+  # at most; on a GPU, where a run takes minutes, CKPT=1000 saves none)
+  X=""; { [ "$1" = budget4x ] || [ -n "${X4:-}" ]; } && { X=-4x; P=${P/--tokens 81920/--tokens 327680}; P=${P/--ckpt-every 1000/--ckpt-every ${CKPT:-40}}; }
   series_run() {  # METHOD SEED: train, score on the three corpora, record
     local m=$1 s=$2 name=$1$X-s$2; local out=$O/$name.json
     [ -f "$out" ] && return
