@@ -145,7 +145,7 @@ def parse_args(argv=None):
     g.add_argument("--samples", type=int, default=12, help="draws a position (sampled, hybrid)")
     g.add_argument("--kd-tail", action="store_true", help="KD over the top-K + the rest (kd.py)")
     g.add_argument("--kd-full", action="store_true", help="KD over the whole vocabulary, the "
-                   "teacher run beside the student (one process; the reference)")
+                   "teacher beside the student, in the cache's dtype (one process; the reference)")
     g.add_argument("--lr", type=float, default=PAPER["lr"], help="peak AdamW lr")
     g.add_argument("--warmup", type=steps_or_fraction, default=PAPER["warmup"],
                    help="linear warm-up steps (or T/n), then cosine to lr/10")

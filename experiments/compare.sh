@@ -72,8 +72,9 @@ declare -A METHOD=(
   # ... and its larger version, the top-16 and 24 draws (118 bytes a token): less variance to leave
   [hybrid16-kd]="--layers $KL --loss kd --targets hybrid --topk 16 --samples 24"
   [full-kd]="--layers $KL --loss kd --kd-full"
-  # E3's default run (its search, AKD) with the hybrid target in place of the top-10
+  # E3's default run (its search, AKD) with the hybrid targets in place of the top-10
   [e3-hybrid]="--loss akd --targets hybrid --topk 8 --samples 12"
+  [e3-hybrid16]="--loss akd --targets hybrid --topk 16 --samples 24"
 )
 if [ "${1:-main}" = main ]; then
   for m in shortgpt minitron sheared kl-oneshot e3-kd e3-akd; do run $m $P ${METHOD[$m]}; done
