@@ -189,6 +189,11 @@ def resolve_model(name):
     return default_model() if name in (None, "", "default") else name
 
 
+def teacher_dtype(device):
+    """The teacher's dtype (meta.json records it): bf16 on a GPU, fp32 on a CPU (bf16 is slow)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
 def load_model(name, device="cpu", dtype=torch.float32, weights=True):
     """(model, tokenizer) from a folder or hub id, or one error line. weights=False builds the model
     on the meta device from its config alone: no memory, no reads. A checkpoint that leaves weights
@@ -554,9 +559,8 @@ def compute_shards(model, jobs, out, identity, batch_size, bar=None, logit_chunk
                 if bar is not None:
                     bar.update(batch.numel())
             # the next shard's forwards start while this one is written
-            writer.put(Path(out) / shard_name(split_name, j),
-                       {"input_ids": seqs, **beside,
-                        **{k: torch.cat([p[k] for p in parts]) for k in parts[0]}})
+            writer.put(Path(out) / shard_name(split_name, j), {"input_ids": seqs, **beside,
+                       **{k: torch.cat([p[k] for p in parts]) for k in parts[0]}})
     finally:
         writer.close()  # also on error: the shards already queued still reach the disk
     return tokens
@@ -663,8 +667,7 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
         tokens = compute_shards_sharded(model_name, device, todo, shards, blocks, out, identity,
                                         batch_size, logit_chunk)
     elif todo:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = load_model(model_name, device, dtype)[0].eval()
+        model = load_model(model_name, device, teacher_dtype(device))[0].eval()
         jobs = ((job, blocks[job[0]][shards[job]], masks(blocks[job[0]], shards[job]))
                 for job in todo)  # each read when its turn comes
         total = sum(len(shards[job]) for job in todo) * seq_len
@@ -686,9 +689,8 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
                            "sha256": sha})
     if rank == 0:
         meta = {"targets": "topk", **identity, "data": str(data or default_corpus()),
-                "max_tokens": max_tokens,
-                "val_frac": val_frac, "max_val_tokens": max_val_tokens,
-                "teacher_dtype": "bfloat16" if device.type == "cuda" else "float32",
+                "max_tokens": max_tokens, "val_frac": val_frac, "max_val_tokens": max_val_tokens,
+                "teacher_dtype": str(teacher_dtype(device)).removeprefix("torch."),
                 "bytes_per_token": round(total_bytes / n_tokens, 2), "shards": listing}
         (out / "meta.json.tmp").write_text(json.dumps(meta, indent=1) + "\n")
         os.replace(out / "meta.json.tmp", out / "meta.json")  # never seen half-written

@@ -58,16 +58,18 @@ def token_kl(logp_s, topk_ids, topk_logprobs):
     return (logp_t.exp() * (logp_t - logp_s.gather(-1, topk_ids))).sum(-1)
 
 
+def rest_mass(topk_logprobs):  # r_t = 1 - the teacher's top-K mass, from the stored (rounded) top-K
+    return (1 - topk_logprobs.float().exp().sum(-1)).clamp(min=0)
+
+
 def tail_token_kl(logp_s, topk_ids, topk_logprobs):
     """L_token over K + 1 classes: eq. 12's sum, plus r_t (log r_t - log r_s) for the V - K tokens
     off the teacher's top-K lumped, r = 1 - the top-K's mass. The student's r_s is fp32's 1 - Q,
     exact to ~1e-7 and stopped at 1e-7 (16 nats per unit of r_t): summing the V - K tokens
     themselves would cost a second pass over the logits (10% of a training step)."""
-    logp_s, logp_t = logp_s.gather(-1, topk_ids), topk_logprobs.float()
-    rest_s = torch.log1p(-logp_s.exp().sum(-1).clamp(max=1 - 1e-7))
-    rest_t = (1 - logp_t.exp().sum(-1)).clamp(min=0)  # from the stored (rounded) top-K: >= 0
-    return (logp_t.exp() * (logp_t - logp_s)).sum(-1) + torch.xlogy(rest_t, rest_t) \
-        - rest_t * rest_s
+    rest_s = torch.log1p(-logp_s.gather(-1, topk_ids).exp().sum(-1).clamp(max=1 - 1e-7))
+    rest_t = rest_mass(topk_logprobs)
+    return token_kl(logp_s, topk_ids, topk_logprobs) + torch.xlogy(rest_t, rest_t) - rest_t * rest_s
 
 
 def sampled_token_kl(logp_s, sample_ids):
@@ -80,7 +82,7 @@ def sampled_token_kl(logp_s, sample_ids):
 def hybrid_token_kl(logp_s, topk_ids, topk_logprobs, sample_ids):
     """L_token against the top-K exactly and the rest by its draws x_j ~ p_t(. | off the top-K):
     sum_K p_t,c (log p_t,c - log p_s,c) + r_t/N sum_j (log(r_t m_j / N) - log p_s(x_j))."""
-    rest_t = (1 - topk_logprobs.float().exp().sum(-1)).clamp(min=0)  # from the stored top-K: >= 0
+    rest_t = rest_mass(topk_logprobs)
     return token_kl(logp_s, topk_ids, topk_logprobs) + torch.xlogy(rest_t, rest_t) \
         + rest_t * sampled_token_kl(logp_s, sample_ids)
 

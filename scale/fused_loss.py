@@ -353,7 +353,7 @@ def _loss_fn(kind, batch, vocab, chunk):
             ids, logprobs = distinct_draws(batch["sample_ids"])
         if targets == "hybrid":  # the top-K first, then the rest's draws at r_t times their shares
             top = batch["topk_logprobs"].float()
-            rest = (1 - top.exp().sum(-1, keepdim=True)).clamp(min=0).log()
+            rest = kd.rest_mass(top)[..., None].log()
             ids = torch.cat([batch["topk_ids"], ids], -1)
             logprobs = torch.cat([top, rest + logprobs], -1)
         mask, entropy = kd.positions(batch), batch["entropy"] if kind == "akd" else None

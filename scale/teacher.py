@@ -9,7 +9,7 @@ targets it discards. The cache is the same as one process's.
 import torch
 from tqdm import tqdm
 
-from cache_teacher import all_gather, compute_shards, load_model, teacher_targets
+from cache_teacher import all_gather, compute_shards, load_model, teacher_dtype, teacher_targets
 from scale.data import stored_mask
 from scale.fsdp import parallelize
 
@@ -26,9 +26,8 @@ def fits_one_device(model_name, device, margin=0.8):
 
 def load_sharded_teacher(model_name, device):
     """The teacher in eval mode, FSDP2-sharded over the ranks; bf16 on a GPU, fp32 on a CPU."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rank = torch.distributed.get_rank()
-    model, _ = load_model(model_name, "cpu", dtype, weights=rank == 0)
+    model, _ = load_model(model_name, "cpu", teacher_dtype(device), weights=rank == 0)
     model = parallelize(model, device, train=False).eval()
     with torch.no_grad():  # one root forward first: FSDP2 initialises lazily, from the root down
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
