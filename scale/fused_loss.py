@@ -186,7 +186,7 @@ def head_kd_loss(hidden, weight, bias, topk_ids, topk_logprobs, entropy=None, ma
         keep = mask.reshape(-1).bool()
         h, ids, logprobs, w = h[keep], ids[keep], logprobs[keep], w[keep]
     rows = VocabShard(weight)
-    n_logits = vocab if vocab is not None else rows.V
+    n_logits = rows.V if vocab is None else min(vocab, rows.V)  # the rows both have
     if rows.group is not None:  # vocabulary-parallel: this rank's rows (autograd maps them back)
         weight, bias = weight.to_local(), bias.to_local() if bias is not None else None
     if vocab is not None and vocab < rows.start + weight.shape[0]:

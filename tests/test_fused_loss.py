@@ -55,6 +55,8 @@ def test_teacher_ids_outside_the_logits_are_refused():
     eye = torch.eye(10)
     with pytest.raises(IndexError, match="teacher token id 7"):  # the vocabulary cut to 7 ids
         head_kd_loss(z, eye, None, ids.clamp(max=9), lp, vocab=7)
+    with pytest.raises(IndexError, match="teacher token id 12"):  # a vocabulary past the head's rows
+        head_kd_loss(z, eye, None, ids, lp, vocab=16)
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 10_000])
