@@ -277,8 +277,8 @@ def plain_losses(vocab, autocast=False):
 
 @torch.no_grad()
 def validate(model, cache, losses, args):
-    """Mean top-K KD (unweighted: one yardstick whatever --loss is) and next-token cross-entropy
-    on the cache's validation split, in eval mode (no dropout). Every rank runs every sequence."""
+    """Mean KD to the cache's own targets, unweighted (sampled and hybrid ones read > 0 at the
+    teacher itself) and next-token CE on the val split, in eval mode; every rank runs every row."""
     model.eval()
     n, sums = cache.len_split("val"), torch.zeros(2, dtype=torch.float64)
     for a in range(0, n, args.micro_batch):
