@@ -31,7 +31,7 @@ METHODS = ["shortgpt", "minitron", "sheared", "kl-oneshot", "random", "evo", "e3
            "kl-calib-mix", "kl-oneshot-4x", "e3-akd-4x",
            "topk-kd", "topk-akd", "tail-kd", "tail-akd", "sampled8-kd", "sampled12-kd", "sampled24-kd",
            "sampled8-akd", "sampled12-akd", "sampled24-akd", "hybrid-kd", "hybrid-akd", "hybrid16-kd",
-           "full-kd", "e3-hybrid"]
+           "full-kd", "e3-hybrid", "e3-hybrid16"]
 LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitron-style (BI + KD)",
           "sheared": "Sheared-style (L0 + KD)", "kl-oneshot": "KL one-shot + AKD",
           "random": "random search + AKD", "evo": "evolutionary search + AKD",
@@ -46,6 +46,7 @@ LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitr
           "evo-mix": "evolutionary search + AKD, mixed-domain calibration and fitness",
           "kl-oneshot-4x": "KL one-shot + AKD, 4x tokens",
           "e3-hybrid": "E3 (AKD), hybrid targets (top-8 + 12 draws from the rest)", "e3-akd-4x": "E3 (AKD), 4x tokens",
+          "e3-hybrid16": "E3 (AKD), hybrid targets (top-16 + 24 draws from the rest)",
           # the teacher targets, each on KL one-shot's layers (kl-oneshot = top-K AKD there)
           **{f"{t}-{loss}": f"{name} {loss.upper()} (KL one-shot's layers)"
              for t, name in (("topk", "top-10"), ("tail", "top-10 + tail"),
@@ -77,7 +78,7 @@ PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot
          ("sampled12-kd-4x", "full-kd-4x"), ("sampled12-kd-4x", "sampled12-kd"),
          ("full-kd-4x", "full-kd"), ("hybrid-kd", "full-kd"), ("hybrid-kd", "sampled24-kd"),
          ("hybrid-akd", "full-kd"), ("hybrid-kd-4x", "full-kd-4x"), ("hybrid-kd-4x", "hybrid-kd"),
-         ("e3-hybrid", "e3-akd"), ("e3-hybrid", "hybrid-akd")]
+         ("e3-hybrid", "e3-akd"), ("e3-hybrid", "hybrid-akd"), ("e3-hybrid16", "e3-hybrid")]
 
 
 def record(run_dir, method, seed, out, *evals):
