@@ -216,9 +216,9 @@ def load_model(name, device="cpu", dtype=torch.float32, weights=True):
     except (OSError, ValueError) as e:
         raise E3Error(f"cannot load model '{name}' ({str(e).splitlines()[0]}); pass --model with a "
                       f"local checkpoint folder or a hub id you can download") from None
-    if info["missing_keys"]:
-        raise E3Error(f"'{name}' lacks weights {sorted(info['missing_keys'])[:3]}: they would start "
-                      f"random; pass a complete checkpoint")
+    missing, unused = sorted(info["missing_keys"])[:3], sorted(info["unexpected_keys"])[:3]
+    if missing or unused:  # (transformers drops the harmless extras: old rotary buffers)
+        raise E3Error(f"'{name}' and its config disagree: weights missing {missing}, unused {unused}")
     return model.to(device), tok
 
 
@@ -277,8 +277,7 @@ def _encode(tok, batch):
     would double the end of every conversation)."""
     out = [None] * len(batch)
     for plain in (True, False):
-        idx = [i for i, doc in enumerate(batch) if doc[1] == plain]
-        if idx:
+        if idx := [i for i, doc in enumerate(batch) if doc[1] == plain]:
             encoded = tok([batch[i][0] for i in idx], add_special_tokens=plain)["input_ids"]
             eos = [tok.eos_token_id] if plain and tok.eos_token_id is not None else []
             for i, ids in zip(idx, encoded):
@@ -579,8 +578,8 @@ def _sha256(path):
 
 
 def _refuse_other_cache(out, identity, found):
-    diff = [k for k in identity if found.get(k) != identity[k]]
-    if diff:  # never mix two caches' shards in one folder, nor overwrite someone's cache
+    # never mix two caches' shards in one folder, nor overwrite someone's cache
+    if diff := [k for k in identity if found.get(k) != identity[k]]:
         raise E3Error(f"'{out}' already holds a teacher cache made with another "
                       f"{', '.join(diff)}; pass a different --out or delete that folder")
 
@@ -807,14 +806,12 @@ def main():
     p.add_argument("--max-tokens", type=int, default=None,
                    help=f"cap on training tokens (default: the whole split; {DEMO_TOKENS} for "
                         f"the packaged demo)")
-    p.add_argument("--val-frac", type=float, default=DEFAULT_VAL_FRAC,
-                   help="end of the corpus held out")
+    p.add_argument("--val-frac", type=float, default=DEFAULT_VAL_FRAC, help="end share held out")
     p.add_argument("--max-val-tokens", type=int, default=None,
                    help=f"cap on validation tokens given targets (default {VAL_SEQS} sequences)")
     p.add_argument("--out", default="out/teacher_cache", help="cache folder (a rerun resumes it)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass, per rank")
-    p.add_argument("--shard-seqs", type=int, default=64,
-                   help="sequences per shard: the unit of resumption")
+    p.add_argument("--shard-seqs", type=int, default=64, help="sequences a shard: the resume unit")
     p.add_argument("--logit-chunk", type=int, default=0, help="> 0: the logits made that many "
                    "tokens at a time from the last layer's output, never (batch, T, V) at once")
     p.add_argument("--shard-teacher", action="store_true", help="under torchrun, FSDP2-shard the "

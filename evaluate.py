@@ -30,9 +30,10 @@ Quality, every statistic on the same predictions:
 Speed, the dense teacher and the model side by side (interleaved repeats, medians after warm-up):
   ttft     prefill of --batch random prompts of --prompt-len tokens, up to the first greedy token
   tpot     time per further token of a greedy --gen-len loop with the KV cache; tok/s from both
-  ideal    the speedup from matmul FLOPs: 2 x weights of every nn.Linear in the decoder layers per
-           token, plus the LM head (once per sequence in prefill, as generate() does, once per
-           token in decode). Attention-score FLOPs (QK^T, AV) are not counted.
+  ideal    the speedup from matmul FLOPs: 2 x the weights a token multiplies in the decoder layers
+           (of a MoE's experts, those it is routed to) plus the LM head (once per sequence in
+           prefill, as generate() does, once per token in decode). Attention-score FLOPs (QK^T,
+           AV) are not counted.
 Output: a markdown table (printed), the same as JSON, and PNG figures from a run's log.jsonl, under
 --out DIR (report.md, report.json, NAME-*.png) or --report PREFIX (PREFIX.md, PREFIX.json,
 PREFIX-NAME-*.png).
@@ -236,11 +237,18 @@ def quality(model, blocks, vocab, teacher=None, batch_size=1, topk=10, ece_bins=
 # Speed: time to first token and time per output token, measured vs ideal
 
 def linear_flops(model):
-    """(matmul FLOPs per token of the decoder layers, of the LM head): 2 x weights of each
-    nn.Linear."""
-    # 2 FLOPs (a multiply and an add) per weight per token
-    layers = sum(2 * m.weight.numel() for m in decoder_layers(model).modules()
-                 if isinstance(m, nn.Linear))
+    """(matmul FLOPs per token of the decoder layers, of the LM head): 2 x each weight matrix a
+    token multiplies: nn.Linear, GPT-2's Conv1D, a router's matrix, and of a MoE's experts stored
+    as one 3-D tensor (an expert a slice) the num_experts_per_tok a token is routed to."""
+    top_k = getattr(model.config.get_text_config(), "num_experts_per_tok", None)
+    layers = 0
+    for m in decoder_layers(model).modules():
+        for name, p in m.named_parameters(recurse=False):
+            if p.dim() < 2 or name.endswith("bias"):  # norms and biases: no matmul
+                continue
+            routed = p.dim() == 3 and top_k and getattr(m, "num_experts", None) == p.shape[0]
+            # 2 FLOPs (a multiply and an add) per weight per token
+            layers += 2 * p.numel() * top_k // p.shape[0] if routed else 2 * p.numel()
     return layers, 2 * model.get_output_embeddings().weight.numel()
 
 

@@ -51,6 +51,10 @@ def positions(batch):
     return masks[0] & masks[-1] if masks else None
 
 
+def counted(loss_mask, kind):  # the positions of a row kd.LOSSES[kind] averages over (sft: t + 1)
+    return loss_mask[:, :-1] if kind == "sft" else loss_mask
+
+
 def token_kl(logp_s, topk_ids, topk_logprobs):
     """L_token of eq. 12 at every position: the student's log-probs (..., V), the teacher's ids and
     log-probs (..., K) -> (...). Every target's L_token takes the log-probs (kd_loss makes them)."""
@@ -119,7 +123,7 @@ def next_token_loss(logits, input_ids, mask=None, loss_mask=None):
     nll = -logp.gather(-1, input_ids[:, 1:, None])[..., 0]
     return masked_mean(nll, positions({
         "mask": None if mask is None else mask[:, :-1].bool() & mask[:, 1:].bool(),
-        "loss_mask": None if loss_mask is None else loss_mask[:, :-1]}))
+        "loss_mask": None if loss_mask is None else counted(loss_mask, "sft")}))
 
 
 # --loss NAME: a function of the student's logits (B, T, V) and a batch of the teacher cache

@@ -277,16 +277,17 @@ def plain_losses(vocab, autocast=False):
 
 @torch.no_grad()
 def validate(model, cache, losses, args):
-    """Mean KD to the cache's own targets, unweighted (sampled and hybrid ones read > 0 at the
-    teacher itself) and next-token CE on the val split, in eval mode; every rank runs every row."""
+    """KD to the cache's own targets, unweighted (sampled, hybrid: > 0 at the teacher itself), and
+    next-token CE: means over the val split's counted positions; eval mode, every rank each row."""
     model.eval()
-    n, sums = cache.len_split("val"), torch.zeros(2, dtype=torch.float64)
+    n, acc = cache.len_split("val"), torch.zeros(2, 2, dtype=torch.float64)  # [kd, ce] sums, counts
     for a in range(0, n, args.micro_batch):
-        rows = list(range(a, min(a + args.micro_batch, n)))
-        kd_loss, ce = losses(model, to_device(cache.get(rows, "val"), args.device), ["kd", "sft"])
-        sums += torch.tensor([kd_loss.item(), ce.item()], dtype=torch.float64) * len(rows)
+        batch = to_device(cache.get(range(a, min(a + args.micro_batch, n)), "val"), args.device)
+        m = batch.get("loss_mask", torch.ones_like(batch["input_ids"]))  # packed text: all count
+        w = torch.stack([kd.counted(m, kind).sum() for kind in ("kd", "sft")]).double().cpu()
+        acc += torch.stack([w * torch.stack(losses(model, batch, ["kd", "sft"])).double().cpu(), w])
     model.train()
-    return (sums / n).tolist()
+    return (acc[0] / acc[1].clamp(min=1)).tolist()
 
 
 def to_device(batch, device):

@@ -370,8 +370,8 @@ def check_removable(config, kept=None):
 
 def remove_layers(model, keep):
     """Keep only the decoder layers `keep` (original indices), in place: the ModuleList, every
-    module's layer_idx (the KV cache is indexed by it: a kept layer still saying 27 would index past
-    the k slots), and every per-layer setting of the config."""
+    module's layer_idx or layer_id (the KV cache's index: a kept layer still saying 27 would index
+    past the k slots), and every per-layer setting of the config."""
     keep = sorted(keep)
     owner, attr = layers_owner(model)
     layers = getattr(owner, attr)
@@ -382,8 +382,8 @@ def remove_layers(model, keep):
     setattr(owner, attr, nn.ModuleList([layers[i] for i in keep]))
     for new_idx, layer in enumerate(getattr(owner, attr)):
         for m in layer.modules():
-            if isinstance(getattr(m, "layer_idx", None), int):
-                m.layer_idx = new_idx
+            for name in (n for n in INDEX_NAMES if isinstance(getattr(m, n, None), int)):
+                setattr(m, name, new_idx)  # layer_idx, or GPT-Neo's layer_id: its cache's index
     for cfg in layer_configs(model.config, L):  # in place: the layers hold these config objects
         rewrite_layer_settings(cfg, keep, L)
     return model

@@ -13,6 +13,7 @@ import json
 import numpy as np
 import torch
 
+import kd
 from cache_teacher import E3Error
 
 
@@ -122,8 +123,7 @@ def micro_batch_weights(source, idx, n_micro, kind, world):
     counted positions over the global batch's, times the ranks (FSDP averages them), so that the
     step's loss is the mean over all of them (1 / n_micro, as for packed text, would make it the
     mean of the micro-batches' means: an assistant token weighs more where there are few)."""
-    # the mask alone is read; sft: t + 1 in the row
-    mask = source.get(idx, keys=("loss_mask",))["loss_mask"][:, :-1 if kind == "sft" else None]
+    mask = kd.counted(source.get(idx, keys=("loss_mask",))["loss_mask"], kind)  # the mask alone
     counts = mask.reshape(n_micro, -1).sum(-1).double()
     total = counts.sum()
     if world > 1:

@@ -2,6 +2,7 @@
 logits from the last layer's output, MoE layouts rewritten at removal, and the export round trip (no
 missing or unexpected weights, logits == the source with the removed layers bypassed, KV-cache
 generation, the source's generation config, dtype, tokenizer files and chat template)."""
+import copy
 import json
 import re
 import types
@@ -74,10 +75,15 @@ def ids(seed=0, shape=(2, 12)):
 
 
 def bypass(model, removed):
-    """Independent reference: the removed layers return their input unchanged."""
+    """Independent reference: the removed layers return their input unchanged (in a tuple where the
+    layer returns one: GPT-Neo's)."""
     for i in removed:
         layer = decoder_layers(model)[i]
-        layer.forward = types.MethodType(lambda self, hidden_states, *a, **k: hidden_states, layer)
+
+        def skip(self, hidden_states, *a, _forward=layer.forward, **k):
+            out = _forward(hidden_states, *a, **k)
+            return (hidden_states, *out[1:]) if isinstance(out, tuple) else hidden_states
+        layer.forward = types.MethodType(skip, layer)
     return model
 
 
@@ -363,3 +369,27 @@ def test_fused_head_loss_equals_plain_logits_path(arch):
         kd, ce = FusedLoss(VOCAB, 256, reference=plain_losses(VOCAB))(model, batch, ["kd", "sft"])
         torch.testing.assert_close(kd.double(), plain("kd"), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(ce.double(), plain("sft"), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt_neo"])
+def test_the_cut_in_memory_generates_with_its_kv_cache(arch):
+    """The model prune.py holds after the cut, before any export: its logits are the source's with
+    the removed layers bypassed, and it generates the same with the KV cache as without (GPT-Neo
+    indexes its cache by `layer_id`: a kept layer still saying 5 would look past the 4 slots)."""
+    if arch == "gpt_neo":  # global and local attention in turn, as GPT-Neo's checkpoints
+        cfg = AutoConfig.for_model("gpt_neo", vocab_size=VOCAB, max_position_embeddings=64,
+                                   hidden_size=32, num_heads=4, intermediate_size=64, num_layers=L,
+                                   attention_types=[[["global", "local"], L // 2]], window_size=4)
+        torch.manual_seed(0)
+        source = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    else:
+        source = tiny(arch)
+    pruned = remove_layers(copy.deepcopy(source), KEEP)
+    reference = bypass(source, {1, 4})
+    x = ids(4)
+    with torch.no_grad():
+        torch.testing.assert_close(pruned(x).logits, reference(x).logits, rtol=1e-4, atol=1e-4)
+    gen = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with_cache = pruned.generate(x[:1, :6], use_cache=True, **gen)
+    assert with_cache.shape[1] == 14
+    assert torch.equal(with_cache, pruned.generate(x[:1, :6], use_cache=False, **gen))

@@ -229,3 +229,32 @@ def test_two_ranks_with_an_assistant_only_cache_match_one_process(make_tiny, tmp
              str(tmp_path / out)], tmp_path, nproc=n)
     losses = {out: [e["loss"] for e in events(tmp_path / out, "train")] for out in ("one", "two")}
     assert losses["two"] == pytest.approx(losses["one"], rel=1e-3)
+
+
+def test_validation_is_the_mean_over_the_counted_positions(tiny_model, tokenizer, chat_cache):
+    """prune.validate over an --assistant-only cache, one row a micro-batch (rows far apart in how
+    many positions count): kd and CE are the means over every counted position of the val split,
+    written out in float64 from the model's logits, not the mean of the rows' means."""
+    import types
+
+    import prune
+    from transformers import AutoModelForCausalLM
+    cache = TeacherCache(chat_cache[1], tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    with torch.no_grad():  # a student other than the teacher: its head moved
+        model.lm_head.weight += 0.1 * torch.randn(model.lm_head.weight.shape,
+                                                  generator=torch.Generator().manual_seed(0))
+    V, n = len(tokenizer), cache.len_split("val")
+    batch = cache.get(list(range(n)), "val")
+    with torch.no_grad():
+        logp = torch.log_softmax(model(batch["input_ids"]).logits[..., :V].double(), -1)
+    where = batch["loss_mask"]
+    lp = batch["topk_logprobs"].double()
+    kd_ref = (lp.exp() * (lp - logp.gather(-1, batch["topk_ids"]))).sum(-1)[where].mean().item()
+    nll = -logp[:, :-1].gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    ce_ref = nll[where[:, :-1]].mean().item()
+    counts = where.sum(-1)
+    assert n >= 3 and counts.max() > 1.5 * counts.min()  # a mean of row means would differ
+    args = types.SimpleNamespace(micro_batch=1, device="cpu")
+    got = prune.validate(model, cache, prune.plain_losses(V), args)
+    assert got == pytest.approx([kd_ref, ce_ref], rel=1e-5)

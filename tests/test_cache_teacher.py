@@ -342,3 +342,16 @@ def test_fp16_logprobs_change_the_kd_loss_negligibly():
         rounded = loss(targets["topk_logprobs"].to(stored).float(), entropy)
         assert exact > 0.05  # a real gap between student and teacher, so the ratio means something
         assert abs(rounded / exact - 1) < 1e-3, (rounded.item(), exact.item())
+
+
+def test_weights_the_config_does_not_build_are_refused(make_tiny, tmp_path):
+    """A checkpoint whose config names fewer layers than its weights hold (a pruned config beside
+    unpruned weights) would load as another model, its extra layers dropped with a warning."""
+    src = Path(make_tiny("llama", 4))
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 2}))
+    cache_teacher.load_model(str(src))  # the checkpoint as saved loads
+    with pytest.raises(cache_teacher.E3Error, match="model.layers.2"):
+        cache_teacher.load_model(str(bad))

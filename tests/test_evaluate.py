@@ -287,3 +287,20 @@ def test_no_arguments_evaluates_the_packaged_model(tmp_path, monkeypatch, capsys
                           "--repeats", "1", "--warmup", "0"])
     assert rows[0]["layers"] == "30/30" and 5 < rows[0]["quality"]["ppl"] < 200
     assert (tmp_path / "out" / "eval" / "report.md").exists() and "--model RUN_DIR" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral", "gpt_oss"])
+def test_ideal_flops_count_every_matmul_a_token_meets(arch):
+    """linear_flops against the weights counted by hand: GPT-2's layers are transformers' Conv1D,
+    not nn.Linear, and a MoE's experts one 3-D tensor each, of which a token meets its top-k."""
+    from test_architectures import tiny
+    h, inner, L = 32, 64, 6  # test_architectures' tiny configs: hidden 32, MLP 64, 6 layers
+    if arch == "gpt2":  # c_attn h x 3h, c_proj h x h, c_fc h x 4h's inner, c_proj back
+        layer = h * 3 * h + h * h + 2 * h * inner
+    else:  # q, o h x h; k, v h x 16 (2 of 4 heads of 8)
+        layer = 2 * h * h + 2 * h * 16
+        if arch == "llama":
+            layer += 3 * h * inner  # gate, up, down
+        else:  # the router (4 x h), then 2 of the 4 experts' gate, up, down (biases: none)
+            layer += 4 * h + 2 * 3 * h * inner
+    assert evaluate.linear_flops(tiny(arch)) == (2 * L * layer, 2 * 49152 * h)
