@@ -108,14 +108,14 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def init_distributed():
-    """(rank, world, device). Under torchrun one process a GPU (NCCL), or a CPU rank (gloo)."""
+    """(rank, world, device). Under torchrun a GPU a rank (NCCL; gloo for CPU tensors) or gloo."""
     cuda = torch.cuda.is_available()
     if int(os.environ.get("RANK", -1)) == -1:  # plain `python script.py`
         return 0, 1, torch.device("cuda" if cuda else "cpu")
     local_rank = int(os.environ["LOCAL_RANK"])
     if cuda:  # before init: NCCL binds each rank to the current device
         torch.cuda.set_device(local_rank)
-    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    torch.distributed.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
 

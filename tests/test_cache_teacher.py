@@ -355,3 +355,23 @@ def test_weights_the_config_does_not_build_are_refused(make_tiny, tmp_path):
     cache_teacher.load_model(str(src))  # the checkpoint as saved loads
     with pytest.raises(cache_teacher.E3Error, match="model.layers.2"):
         cache_teacher.load_model(str(bad))
+
+
+def test_gpu_ranks_can_reduce_cpu_tensors(monkeypatch):
+    """Under torchrun on GPUs the ranks all-reduce CPU tensors too (the step's loss for the log,
+    --assistant-only's position counts, object gathers): the process group needs a backend for CPU
+    tensors beside NCCL, which serves CUDA tensors only (torch's own capability table)."""
+    got = {}
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend: got.update(b=backend))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 1)
+    cache_teacher.init_distributed()
+    capability = torch.distributed.Backend.backend_capability
+    pairs = [p.split(":") for p in got["b"].split(",")] if ":" in got["b"] else \
+        [(device, got["b"]) for device in capability[got["b"]]]
+    assert {"cpu", "cuda"} <= {device for device, _ in pairs}, got["b"]
+    assert all(device in capability[backend] for device, backend in pairs), got["b"]
