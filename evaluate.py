@@ -48,7 +48,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from cache_teacher import (DEFAULT_VAL_FRAC, Blocks, E3Error, HelpFormatter, corpus_blocks,
                            load_model, print0, resolve_model, run_main, token_file,
