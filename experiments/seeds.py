@@ -197,8 +197,9 @@ TARGETS = ["full-kd", "topk-kd", "topk-akd", "tail-kd", "tail-akd", "sampled8-kd
 def targets_table(results_dir=RESULTS, budget=""):
     """The teacher targets on KL one-shot's layers (compare.sh targets; budget "-4x" for X4=1): per
     held-out corpus the full-vocabulary KL to the teacher (and its ratio to full KD's, the issue's
-    goal: within 2%; seed by seed in brackets), perplexity, top-1 agreement, the student's mass off the teacher's top-K (K the
-    run's --topk: 10, the hybrid target's 8; the teacher's own beside it) and the top-1's expected calibration error; mean over the seeds."""
+    goal: within 2%; seed by seed in brackets), perplexity, top-1 agreement, the student's mass off
+    the teacher's top-K (K the run's --topk: 10, the hybrid target's 8; the teacher's own beside it)
+    and the top-1's expected calibration error; mean over the seeds."""
     by = load(results_dir)
     rows = [m + budget for m in TARGETS if m + budget in by]
     ref = by.get("full-kd" + budget, {})
