@@ -577,7 +577,6 @@ def main(argv=None):
         S0, step, kept = resumed["init_scores"], resumed["step"], resumed["kept"]
         run.load_into(resumed["path"], model, opt)
         run.truncate_log(step)
-        torch.set_rng_state(resumed["torch_rng"])
         print0(f"resumed from {resumed['path']} at step {step} "
                f"({'search' if kept is None else 'finetune'})")
     search = search_class(args.search)(S0, args, L, T, protected, args.device)
@@ -590,7 +589,7 @@ def main(argv=None):
     # the cut only the k kept layers exist. `step` counts the steps done (t = step + 1 is next)
     phase = "search" if kept is None and step < T_M else "finetune"
     gates = LayerGates(model) if phase == "search" else None
-    summary = {}
+    summary = resumed.get("summary", {}) if resumed else {}  # what was measured before a kill
 
     def val(when, t, _last={}):
         if not cache or not cache.len_split("val"):  # a cache built with --val-frac 0
@@ -616,6 +615,8 @@ def main(argv=None):
     while step < T:  # Alg. 1 l.1: for t = 1..T
         t, t_step = step + 1, time.time()
         lr = lr_schedule(step, args)  # a pure function of the step: a resume needs no state
+        # so are dropout's masks (GPT-2, OPT): each rank its own, on any device, after any resume
+        torch.manual_seed(args.seed * 2**40 + t * 2**20 + rank)
         for group in opt.param_groups:
             group["lr"] = lr
         if phase == "search":  # Alg. 1 l.3: t <= T_M
@@ -678,10 +679,9 @@ def main(argv=None):
             summary["val_final"] = val(f"step {t}", t)
         if t % at(args.ckpt_every, T) == 0 and t < T:  # none at T: the export follows at once
             # beside the DCP shards: where the loop stands, the search's state (S, its Adam, the
-            # Gumbel generator) and torch's RNG, so that the resumed run draws what this one would
+            # Gumbel generator), so that the resumed run draws what this one would, and the summary
             run.save(t, model, opt, {"phase": phase, "kept": kept, "init_scores": S0,
-                                     "search": search.state_dict(),
-                                     "torch_rng": torch.get_rng_state()})
+                                     "search": search.state_dict(), "summary": summary})
     # -------------------------- TRAINING SECTION END --------------------------
     if kept is None:  # a search longer than the run (--search-frac > 1) ends as Alg. 1 does
         kept, opt = prune_to_top_k(model, opt, search, args)

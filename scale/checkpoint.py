@@ -6,7 +6,7 @@ The run folder, and the checkpoints a killed run resumes from (nanochat's checkp
   OUT/checkpoints/step_N/  torch.distributed.checkpoint (DCP): each rank writes and reads only its
                            own shards of the weights and of AdamW's moments; a resume on another
                            number of ranks reshards on load; extra.pt beside them holds the small
-                           state (step, kept layers, the search's state, torch's RNG)
+                           state (step, kept layers, the search's state, the summary so far)
 
 One process writes the same format (no_dist), so that 1 process and N ranks resume each other.
 Multi-node: OUT is one shared folder, seen by every node at the same path.

@@ -196,9 +196,16 @@ def test_two_fsdp_ranks_with_lora_match_one_process(make_tiny, corpus, tmp_path)
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-4, msg=key)
 
 
-def test_sigkill_then_resume_matches_uninterrupted(single_run, make_tiny, corpus, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_sigkill_then_resume_matches_uninterrupted(arch, single_run, make_tiny, corpus, tmp_path):
+    """Killed after its first checkpoint (step 3, mid-search) and resumed: the same layers, weights and
+    summary as the uninterrupted run. GPT-2 trains with dropout 0.1: the resumed steps must draw the
+    masks the uninterrupted run drew."""
     out = tmp_path / "run"
-    args = tiny_args(make_tiny("llama", L), corpus, out)
+    args = tiny_args(make_tiny(arch, L), corpus, out)
+    if arch != "llama":  # the uninterrupted reference (llama's is the module's single_run)
+        single_run = tmp_path / "reference"
+        run(tiny_args(make_tiny(arch, L), corpus, single_run), tmp_path)
     env = {**os.environ, "E3_TEACHER_CACHE": str(tmp_path / "teacher"), "PYTHONUNBUFFERED": "1",
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, str(ROOT / "prune.py"), *args], cwd=ROOT, env=env,
@@ -215,6 +222,10 @@ def test_sigkill_then_resume_matches_uninterrupted(single_run, make_tiny, corpus
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5, msg=key)
     assert [e["step"] for e in events(out, "train")] == list(range(1, 9))  # no step logged twice
+    # the summary keeps what was measured before the kill (the dense model's and the cut's val loss)
+    done, ref = events(out, "done")[0], events(single_run, "done")[0]
+    for key in ["val_dense", "val_at_pruning", "val_final"]:
+        assert key in done and done[key] == pytest.approx(ref[key], abs=2e-4), key
 
 
 def test_resume_after_the_search_on_two_ranks(single_run, tmp_path):
