@@ -5,8 +5,9 @@ the chunked teacher of scale/). The plain path never needs it: it reads model(x)
 
   final_norm(model)       the final norm (`norm`, `ln_f`, `final_layer_norm`, ...) and OPT's
                           project_out
-  logit_transform(model)  what the forward applies after the LM head: Gemma-2/3's soft-capping
-                          c tanh(z / c), Granite's z / logits_scaling, Cohere's z * logit_scale
+  logit_transform(model)  what the forward applies after the LM head: Cohere's z * logit_scale
+                          (Falcon-H1's, HyperCLOVA X's multipliers), Granite's z / logits_scaling,
+                          Gemma-2/3's soft-capping c tanh(z / c)
   model_logits(model, h)  post(W_out norm(h_L)): the model's own logits
 A family with another name or transform is caught by scale/fused_loss.check_logits_path before it
 caches or scores a near relative of its distribution.
@@ -44,22 +45,26 @@ def model_logits(model, hidden):
 
 
 def logit_transform(model):
-    """post(z): what the model's forward applies after the LM head, elementwise: Gemma-2/3's
-    soft-capping c tanh(z / c), Granite's z / logits_scaling, Cohere's z * logit_scale; identity
-    for the others."""
+    """post(z): what the model's forward applies after the LM head, elementwise: a multiplier
+    (Cohere's logit_scale, Falcon-H1's lm_head_multiplier, HyperCLOVA X's logits_scaling), Granite's
+    division by logits_scaling, then Gemma-2/3's soft-capping c tanh(z / c); identity for the
+    others."""
     cfg = model.config.get_text_config()
     cap = getattr(cfg, "final_logit_softcapping", None)
-    scaling = getattr(cfg, "logits_scaling", None)  # Granite (MoE) divides
+    scaling = getattr(cfg, "logits_scaling", None)  # Granite (MoE) divides by it ...
+    mult = getattr(cfg, "lm_head_multiplier", None)
+    if cfg.model_type.startswith("hyperclovax"):  # ... HyperCLOVA X multiplies by it
+        mult, scaling = scaling, None
     # Cohere multiplies by a float attribute (CLIP-like models hold a tensor of that name)
     scale = getattr(model, "logit_scale", None)
     scale = None if torch.is_tensor(scale) else scale
 
     def post(z):
-        if cap is not None:
-            z = torch.tanh(z / cap) * cap
+        for m in (scale, mult):
+            z = z if m is None else z * m
         if scaling is not None:
             z = z / scaling
-        if scale is not None:
-            z = z * scale
+        if cap is not None:
+            z = torch.tanh(z / cap) * cap
         return z
     return post

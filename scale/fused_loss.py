@@ -368,10 +368,10 @@ def _loss_fn(kind, batch, vocab, chunk):
 
 class FusedLoss:
     """losses(model, batch, kinds) with the LM head fused in. At the first call of each kind it
-    computes the loss both ways on the batch's first 256 tokens (no gradient) and refuses, with
-    one error line, a difference beyond rounding: kd.py's function is the reference, so an edited
-    kd.py (or a logit transform architectures/logits.py does not know) is never silently replaced
-    by eq. 12."""
+    computes the loss both ways on 256 tokens of the batch from its first counted one (no
+    gradient) and refuses, with one error line, a difference beyond rounding: kd.py's function is
+    the reference, so an edited kd.py (or a logit transform architectures/logits.py does not know)
+    is never silently replaced by eq. 12."""
 
     def __init__(self, vocab, chunk, reference, check_tokens=256):
         self.vocab, self.chunk, self.reference = vocab, chunk, reference
@@ -379,14 +379,22 @@ class FusedLoss:
 
     def __call__(self, model, batch, kinds):
         for kind in kinds:
-            if (kind, batch.get("targets")) not in self.checked:
-                self.check(model, batch, kind)
+            if (kind, batch.get("targets")) not in self.checked and self.check(model, batch, kind):
+                self.checked.add((kind, batch.get("targets")))
         fns = [_loss_fn(kind, batch, self.vocab, self.chunk) for kind in kinds]
         return list(head_losses(model, batch["input_ids"], fns))
 
     @torch.no_grad()
     def check(self, model, batch, kind):
-        part = {k: v[:1, :self.check_tokens] if torch.is_tensor(v) else v
+        """True once the two losses agree on a window of tokens that count; False where none does
+        (an --assistant-only micro-batch of prompts: both losses would read 0, whatever they are)."""
+        ids = batch["input_ids"]
+        mask = batch.get("loss_mask")
+        hits = (torch.ones_like(ids) if mask is None else kd.counted(mask, kind)).nonzero()
+        if not len(hits):
+            return False
+        row, start = hits[0].tolist()  # the first counted position: a prompt may come before it
+        part = {k: v[row:row + 1, start:start + self.check_tokens] if torch.is_tensor(v) else v
                 for k, v in batch.items()}
         training = model.training
         model.eval()
@@ -400,4 +408,4 @@ class FusedLoss:
             raise E3Error(f"the fused LM head's '{kind}' loss is {fused.item():.6g} where kd.py's "
                           f"is {plain.item():.6g}: kd.py (or the model's logit transform) computes "
                           f"something scale/fused_loss.py does not; run with --logit-chunk 0")
-        self.checked.add((kind, batch.get("targets")))
+        return True

@@ -52,6 +52,7 @@ CONFIGS = {
                                       logits_scaling=4.0)),
     "granite": ("granite", dict(ATTN, logits_scaling=4.0)),  # the model divides its logits
     "cohere": ("cohere", dict(ATTN, logit_scale=0.5)),  # the model multiplies its logits
+    "hyperclovax": ("hyperclovax", dict(ATTN, logits_scaling=0.5)),  # ... by logits_scaling
     "gemma3_text": ("gemma3_text", dict(ATTN, sliding_window=4, final_logit_softcapping=3.0,
                                         query_pre_attn_scalar=8)),
     "gpt2": ("gpt2", dict(n_embd=32, n_head=4, n_inner=64)),  # ln_f
@@ -59,10 +60,12 @@ CONFIGS = {
     "opt": ("opt", dict(hidden_size=32, num_attention_heads=4, ffn_dim=64,
                         word_embed_proj_dim=16)),  # final_layer_norm, then project_out
 }
+# ... and those tested for their logits alone (Falcon-H1's Mamba layers run slowly here)
+LOGITS_ONLY = {"falcon_h1": ("falcon_h1", dict(ATTN, lm_head_multiplier=0.5))}  # multiplies
 
 
 def tiny(arch, layers=L, seed=0, dtype=torch.float32):
-    model_type, settings = CONFIGS[arch]
+    model_type, settings = {**CONFIGS, **LOGITS_ONLY}[arch]
     n = "n_layer" if arch == "gpt2" else "num_hidden_layers"
     cfg = AutoConfig.for_model(model_type, vocab_size=VOCAB, max_position_embeddings=64,
                                initializer_range=0.2, **{n: layers}, **settings)
@@ -87,7 +90,7 @@ def bypass(model, removed):
     return model
 
 
-@pytest.mark.parametrize("arch", list(CONFIGS))
+@pytest.mark.parametrize("arch", list(CONFIGS) + list(LOGITS_ONLY))
 def test_model_logits_are_the_models_own(arch):
     model = tiny(arch)
     x = ids()
@@ -324,8 +327,8 @@ def test_moe_two_fsdp_ranks_match_one_process(arch, extra, saved, corpus, tmp_pa
     assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "granite", "cohere", "gpt2", "opt",
-                                  "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "granite", "cohere", "hyperclovax",
+                                  "gpt2", "opt", "qwen3_moe"])
 def test_fused_head_loss_equals_plain_logits_path(arch):
     """prune.py's two loss paths, kd.py's plain one and scale/fused_loss.py's (the LM head fused
     with the loss, chunked: no (B, T, V) logits), against the path written out here:

@@ -159,6 +159,17 @@ def test_fused_loss_refuses_what_kd_py_does_not_compute(make_tiny, monkeypatch):
     monkeypatch.setitem(kd.LOSSES, "akd", lambda logits, b: akd(logits, b) * 1.01)  # a fork's edit
     with pytest.raises(E3Error, match="--logit-chunk 0"):
         FusedLoss(V, 5, reference=plain)(model, batch, ["akd"])
+    # --assistant-only: the check looks where tokens count, not at a prompt where both losses read
+    # 0 (row 0's first 6 positions a prompt, a 4-token check); a micro-batch in which nothing counts
+    # checks nothing, and the next one is checked
+    prompt = torch.ones(2, 12, dtype=torch.bool)
+    prompt[0, :6] = False
+    with pytest.raises(E3Error, match="--logit-chunk 0"):
+        FusedLoss(V, 5, reference=plain, check_tokens=4)(model, {**batch, "loss_mask": prompt}, ["akd"])
+    fused = FusedLoss(V, 5, reference=plain, check_tokens=4)
+    fused(model, {**batch, "loss_mask": torch.zeros(2, 12, dtype=torch.bool)}, ["akd"])
+    with pytest.raises(E3Error, match="--logit-chunk 0"):
+        fused(model, {**batch, "loss_mask": prompt}, ["akd"])
     monkeypatch.setitem(kd.LOSSES, "mine", akd)
     with pytest.raises(E3Error, match="implements the losses akd, kd and sft"):
         FusedLoss(V, 5, reference=plain)(model, batch, ["mine"])
