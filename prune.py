@@ -89,8 +89,7 @@ def parse_args(argv=None):
     g = p.add_argument_group("stage 1: importance (Sec. 3.2)")
     g.add_argument("--init", choices=["kl", "bi", "random"], default="kl",
                    help="S_0: KL with the layer bypassed (the paper); baselines/: ShortGPT's Block "
-                        "Influence (its last layer read before the final norm, where ShortGPT's "
-                        "code reads HF's normed output), or N(0, 1)")
+                        "Influence (baselines/shortgpt.py), or N(0, 1)")
     g.add_argument("--layers", type=layer_list, help="keep exactly these layers (0,1,4,...): no "
                    "importance, no search, fine-tuning only")
     g.add_argument("--n-calib", type=int, default=PAPER["n_calib"], help="calibration sequences")
@@ -103,8 +102,7 @@ def parse_args(argv=None):
                         "Sheared-LLaMA's hard-concrete masks, evo = EvoPress's evolutionary search "
                         "from the top-k of S_0, random = the best of random sets at evo's budget")
     g.add_argument("--search-frac", type=float, default=PAPER["search_frac"], help="T_M / T")
-    g.add_argument("--beta", type=float, default=PAPER["beta"],
-                   help="tau anneals from 1 to 1 - beta")
+    g.add_argument("--beta", type=float, default=PAPER["beta"], help="tau: from 1 to 1 - beta")
     g.add_argument("--score-lr", type=float, default=PAPER["score_lr"],
                    help="Adam lr of the scores S (the paper gives none)")
     g.add_argument("--masks-per-step", type=int, default=1, help="Gumbel draws a step: global "
@@ -112,8 +110,7 @@ def parse_args(argv=None):
     g.add_argument("--score-scale", type=float, default=1.0,
                    help="S_0 = c x the importance: its gaps against the Gumbel noise (an ablation)")
     g.add_argument("--score-lr-schedule", choices=["constant", "linear"], default="constant",
-                   help="the lr of S over the search: constant, or from --score-lr down to "
-                        "--score-lr / T_M (an ablation)")
+                   help="S's lr: constant or linear, --score-lr to --score-lr / T_M (an ablation)")
     g.add_argument("--search-loss", choices=["akd", "kd", "sft"],
                    help="the loss of the search steps (default: --loss)")
     g.add_argument("--search-data", help="the text the search reads, with its own teacher cache "

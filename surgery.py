@@ -274,14 +274,14 @@ INDEX_NAMES = ("layer_idx", "layer_id", "layer_index", "layer_number")  # renumb
 
 def layer_configs(config, L):
     """The config objects that describe these L layers: the model's or a multimodal wrapper's
-    text_config (Gemma-3), or both (a vision tower's config has its own num_hidden_layers)."""
-    found = [config] + [v for v in vars(config).values() if hasattr(v, "num_hidden_layers")]
+    text_config (Gemma-3), or both; never a vision tower's, though it may have L layers too."""
+    found = [config.get_text_config()] + [config] * (config is not config.get_text_config())
     return [cfg for cfg in found if getattr(cfg, "num_hidden_layers", None) == L]
 
 
-def _is_index_list(key, value, L):
-    return (key.endswith("_layers") and key not in PER_LAYER and isinstance(value, (list, tuple))
-            and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < L for i in value)
+def _is_index_list(key, value, L):  # moe_layers, hybrid_layer_ids (Zamba2), full_attn_idxs (LFM2)
+    return (key.endswith(("_layers", "_layer_ids", "_idxs")) and key not in PER_LAYER
+            and type(value) in (list, tuple) and all(type(i) is int and 0 <= i < L for i in value)
             and len(set(value)) == len(value))
 
 
@@ -306,13 +306,14 @@ def rewrite_layer_settings(cfg, keep, L):
 
 def _layer_signature(layer):
     """What a layer's constructor made of its index: each submodule's type, scalar attributes
-    (`sliding_window`, `use_rope`, `is_moe_layer`, ...) and parameter shapes, the index left out."""
+    (`sliding_window`, `is_moe_layer`, ...) or maps of them, parameter shapes; not the index."""
     sig = {}
     for name, mod in layer.named_modules():
         sig[name] = type(mod).__name__
         for k, v in vars(mod).items():
+            flat = v.values() if isinstance(v, dict) else [v]
             if (not k.startswith("_") and k not in INDEX_NAMES + ("training",)
-                    and (v is None or isinstance(v, (bool, int, float, str)))):
+                    and all(x is None or isinstance(x, (bool, int, float, str)) for x in flat)):
                 sig[f"{name}:{k}"] = v
     for name, t in [*layer.named_parameters(), *layer.named_buffers()]:
         sig[f"{name}:shape"] = tuple(t.shape)
@@ -328,7 +329,9 @@ def _meta_layers(config):
 def pruned_config(config, keep):
     """A copy of `config` for the model that keeps layers `keep`, checked: built on the meta device,
     its layer j must be built as layer keep[j] was. A layout it cannot express is one E3Error."""
-    L = config.get_text_config().num_hidden_layers
+    L = (text := config.get_text_config()).num_hidden_layers
+    if text.model_type == "zaya" or "shared" in (getattr(text, "indexer_types", None) or ()):
+        raise E3Error(f"{text.model_type} cannot be pruned: a layer passes on more than its output")
     new = copy.deepcopy(config)
     for cfg in layer_configs(new, L):
         rewrite_layer_settings(cfg, keep, L)

@@ -17,7 +17,7 @@ from cache_teacher import E3Error
 from scale.fused_loss import check_logits_path, last_layer_output
 from scale.lora import lora_targets
 from surgery import (LayerGates, check_removable, decoder_layers, export_pruned, kl_importance,
-                     remove_layers)
+                     pruned_config, remove_layers)
 from test_prune import (assert_one_line_error, corpus, events, run, tiny_args,  # noqa: F401
                         weights)  # (corpus: a fixture)
 
@@ -269,6 +269,59 @@ def test_layout_the_config_cannot_express_is_refused():
                                  expert_layer_offset=1, **ATTN)
     with pytest.raises(E3Error, match="cannot be pruned"):
         check_removable(jamba)
+
+
+def test_layer_state_the_cut_would_get_wrong_is_refused():
+    """Refused before any work, where the pruned model in memory would silently differ from the
+    source with those layers bypassed: Zamba2's shared blocks pick each hybrid layer's adapter from
+    a map of layer indices built with the model; Zaya's layers, and GLM-MoE-DSA's shared indexers,
+    hand the next layer more than its hidden state (a removed layer would pass on another's)."""
+    zamba2 = AutoConfig.for_model("zamba2", vocab_size=64, num_hidden_layers=L, num_mem_blocks=1,
+                                  layers_block_type=["mamba", "hybrid", "hybrid", "hybrid", "mamba",
+                                                     "mamba"], mamba_d_state=8, mamba_headdim=8,
+                                  mamba_ngroups=1, n_mamba_heads=8, adapter_rank=4,
+                                  use_shared_attention_adapter=True, use_shared_mlp_adapter=True,
+                                  attention_hidden_size=64, attention_head_dim=16, **ATTN)
+    zaya = AutoConfig.for_model("zaya", vocab_size=64, num_hidden_layers=L, **ATTN)
+    glm = AutoConfig.for_model("glm_moe_dsa", vocab_size=64, num_hidden_layers=L, index_topk=4,
+                               indexer_types=["full", "full", "shared", "full", "shared", "shared"],
+                               **dict(ATTN, **MLA))
+    for cfg in (zamba2, zaya, glm):
+        with pytest.raises(E3Error, match="cannot be pruned"):
+            check_removable(cfg)
+
+
+def test_index_lists_by_other_names_are_renumbered():
+    """LFM2 names its attention layers full_attn_idxs (mlx-lm builds the model from it alone)."""
+    cfg = AutoConfig.for_model("lfm2", vocab_size=64, num_hidden_layers=L, full_attn_idxs=[1, 3, 4],
+                               **ATTN)
+    new = pruned_config(cfg, KEEP)  # removes 1 and 4: layer 3 is now layer 2
+    assert new.full_attn_idxs == [2]
+    assert new.layer_types == [cfg.layer_types[i] for i in KEEP]
+
+
+def test_a_vision_tower_as_deep_as_the_decoder_keeps_its_layers(tmp_path, tokenizer):
+    """Gemma-3 with 6 text and 6 vision layers: the cut is the text decoder's alone; the export
+    reloads with no unused weights (transformers would drop the tower's last layers, warning) and
+    says 6 vision layers."""
+    from transformers import Gemma3Config
+    cfg = Gemma3Config(text_config=dict(vocab_size=VOCAB, num_hidden_layers=L, sliding_window=4,
+                                        query_pre_attn_scalar=8, **ATTN),
+                       vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=L,
+                                          num_attention_heads=4, image_size=28, patch_size=14),
+                       mm_tokens_per_image=4, image_token_index=VOCAB - 1, boi_token_index=VOCAB - 2,
+                       eoi_token_index=VOCAB - 3)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "src")
+    tokenizer.save_pretrained(tmp_path / "src")
+    pruned = remove_layers(AutoModelForCausalLM.from_pretrained(tmp_path / "src"), KEEP)
+    assert pruned.config.vision_config.num_hidden_layers == L
+    export_pruned(str(tmp_path / "src"), pruned.state_dict(), KEEP, L, tokenizer, tmp_path / "out",
+                  {})
+    reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert reloaded.config.vision_config.num_hidden_layers == L
+    assert reloaded.config.text_config.num_hidden_layers == len(KEEP)
 
 
 def test_prune_refuses_an_inexpressible_layout_before_any_work(tokenizer, corpus, tmp_path):
