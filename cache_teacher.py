@@ -73,6 +73,7 @@ MIN_VAL_BLOCKS = 4  # the held-out end is at least this many blocks of seq_len +
 READ_WHOLE_TOKENS = 1 << 24  # corpora up to this many tokens are always read whole
 BATCH_CHARS = 1 << 20  # text tokenised per call: large enough for the tokenizer's batch speed
 FORMATS = (".txt", ".md", ".jsonl", ".parquet")
+UNREAD = (".gz", ".zst", ".bz2", ".xz", ".zip", ".csv", ".tsv", ".arrow")  # data it cannot read
 
 
 # -----------------------------------------------------------------------------
@@ -223,18 +224,20 @@ def load_model(name, device="cpu", dtype=torch.float32, weights=True):
 
 
 def model_fingerprint(model_name):
-    """A checkpoint's identity for caches: its path and a hash of its config.json."""
+    """A checkpoint's identity for caches: its path, its config.json, its weight files' stats."""
     name = resolve_model(model_name)
     cfg = Path(name) / "config.json"
-    text = cfg.read_text() if cfg.exists() else name  # a hub id: its name is all we know offline
-    return {"model": name, "config_sha256": hashlib.sha256(text.encode()).hexdigest()[:16]}
+    weights = [(p.name, p.stat().st_size, p.stat().st_mtime_ns)
+               for p in sorted(Path(name).glob("*")) if p.suffix in (".safetensors", ".bin")]
+    text = json.dumps([cfg.read_text(), weights]) if cfg.exists() else name  # a hub id: its name
+    return {"model": name, "sha256": hashlib.sha256(text.encode()).hexdigest()[:16]}
 
 
 def tokenizer_fingerprint(tok):
-    """A tokenizer's identity: a hash of its whole vocabulary and special tokens."""
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    return hashlib.sha256(json.dumps([vocab, tok.bos_token_id, tok.eos_token_id]).encode()
-                          ).hexdigest()[:16]
+    """A tokenizer's identity: a hash of its vocabulary, special tokens, encoding (BOS, chats)."""
+    ident = [sorted(tok.get_vocab().items(), key=lambda kv: kv[1]), tok.bos_token_id,
+             tok.eos_token_id, tok("a")["input_ids"], tok.chat_template]
+    return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
 
 
 def vocab_size(tok):
@@ -249,10 +252,9 @@ def vocab_size(tok):
 def corpus_files(data=None):
     path = Path(data or default_corpus()).expanduser()
     if not path.exists():
-        raise E3Error(f"data path '{path}' does not exist; pass --data with a .txt/.md/.jsonl/"
-                      f".parquet file or a folder of them")
-    if path.is_dir():
-        return sorted(p for p in path.rglob("*") if p.suffix in FORMATS and p.is_file())
+        raise E3Error(f"'{path}' does not exist; --data: a {'/'.join(FORMATS)} file or folder")
+    if path.is_dir():  # (and the data it cannot read: scale/data.py refuses it, not skipped)
+        return sorted(p for p in path.rglob("*") if p.suffix in FORMATS + UNREAD and p.is_file())
     return [path]
 
 
@@ -260,10 +262,9 @@ def documents(tok, data=None, text_field="text", assistant_only=False):
     """(text, is_plain_text, spans) for every non-blank document of --data, lazily, in reading
     order; spans: a chat's assistant turns (assistant_only, scale/data.py), else None."""
     for path in corpus_files(data):
-        if path.suffix in (".jsonl", ".parquet"):  # JSON lines (text or chats), FineWeb's parquet
+        if path.suffix not in (".txt", ".md"):  # JSON lines (text or chats), parquet, ...
             from scale import data as formats
-            docs = formats.jsonl_documents(path, text_field, tok, assistant_only) \
-                if path.suffix == ".jsonl" else formats.parquet_documents(path, text_field)
+            docs = formats.documents(path, text_field, tok, assistant_only)
         else:
             docs = [(path.read_text(encoding="utf-8", errors="replace"), True, None)]
         for text, plain, spans in docs:
@@ -613,9 +614,8 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
     """Build (or finish) the teacher cache in `out` and return its path: nothing to do when the
     same complete cache is there; E3Error when `out` holds another. targets: "topk" (K = topk, the
     paper's), "sampled" (`samples` draws a position, seeded by sample_seed) or "hybrid" (the top-K
-    and `samples` draws from the rest); assistant_only: a
-    loss mask too (scale/data.py). Under torchrun every rank calls it. shard_teacher: the teacher
-    FSDP2-sharded over the ranks (scale/teacher.py), each rank still running its own batches."""
+    and `samples` draws from the rest); assistant_only: a loss mask too (scale/data.py). Under
+    torchrun every rank calls it, for its own batches; shard_teacher: FSDP2-shards the teacher."""
     from transformers import AutoTokenizer
     rank, world = rank_and_world()
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -43,6 +43,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -170,6 +171,12 @@ def eval_blocks(tok, args):
     else:  # the end of the whole corpus: it is read (and tokenised, once) to the end
         blocks = corpus_blocks(tok, args.data, args.seq_len, None, args.val_frac,
                                args.max_tokens or None, args.text_field)["val"]
+        n, held_out = blocks.tokens.n_tokens, blocks.tokens.n_tokens - blocks.start
+        if int(args.val_frac * n) < held_out:  # set by the floor of 4 windows, not by --val-frac
+            print0(f"warning: the held-out end is the last {held_out} tokens, set by --seq-len "
+                   f"{args.seq_len}: a run that trained on this text with a shorter --seq-len held "
+                   f"out less, and may have trained on these windows' start; score held-out text "
+                   f"with --val-frac 1, or pass more --data", file=sys.stderr)
         blocks = blocks[:len(blocks)]
     if len(blocks) == 0:
         raise E3Error(f"--data holds fewer than --seq-len {args.seq_len} tokens to score; "

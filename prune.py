@@ -235,13 +235,13 @@ def make_optimizer(model, args, carried=None):
 
 def batch_indices(step, args, n, rank, world):
     """This rank's cached sequences at `step`: the global batch is a slice of a seeded permutation
-    (one per epoch) split over the ranks, a pure function of (seed, step): a resume, or any number
-    of ranks, trains on exactly the same global batches."""
+    (one per epoch, each seed's own) split over the ranks, a pure function of (seed, step): a
+    resume, or any number of ranks, trains on exactly the same global batches."""
     start = step * args.batch_size
     epoch, offset = divmod(start, n)
     idx = []
     while len(idx) < args.batch_size:  # a batch past the epoch's end goes on into the next
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + epoch))
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed ^ epoch << 32))
         idx += order.tolist()[offset: offset + args.batch_size - len(idx)]
         epoch, offset = epoch + 1, 0
     per_rank = args.batch_size // world

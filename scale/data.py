@@ -1,6 +1,6 @@
 """
 Corpus formats beyond plain text, read lazily: cache_teacher.documents imports this only when a
-.jsonl or .parquet file is in --data.
+file other than .txt or .md is in --data (documents: which reader, or a refusal).
 
   .jsonl     one document a line: its --text-field, or a chat `messages` list rendered by the
              tokenizer's chat template (special tokens included; cache_teacher adds no EOS after it);
@@ -15,6 +15,19 @@ import torch
 
 import kd
 from cache_teacher import E3Error
+
+
+def documents(path, text_field, tok, assistant_only=False):
+    """A --data file that is neither .txt nor .md: JSON lines, parquet, other text (any suffix but
+    the formats of data it cannot read, cache_teacher.UNREAD: read as text, they would train on
+    markup or compressed bytes)."""
+    from cache_teacher import FORMATS, UNREAD
+    if path.suffix in UNREAD + (".json",):  # (a folder's .json files, its metadata, are not read)
+        raise E3Error(f"'{path}' is not in a format --data reads: {', '.join(FORMATS)}")
+    if path.suffix in (".jsonl", ".parquet"):
+        return (jsonl_documents(path, text_field, tok, assistant_only) if path.suffix == ".jsonl"
+                else parquet_documents(path, text_field))
+    return [(path.read_text(encoding="utf-8", errors="replace"), True, None)]
 
 
 def jsonl_documents(path, text_field, tok, assistant_only=False):

@@ -283,6 +283,21 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(ref, tmp_path):
     assert not list(out.glob("*.tmp"))
 
 
+def test_a_teacher_saved_again_at_its_path_is_another_teacher(ref, tmp_path):
+    """The cache's identity holds the teacher's weight files, not only its path and config.json: the
+    same config saved again with other weights (a re-exported model used as the next teacher) is
+    refused by the cache the old weights made, never served its targets."""
+    teacher = shutil.copytree(ref["model_name"], tmp_path / "teacher")
+    args = {**ref, "model_name": str(teacher), "out": str(tmp_path / "cache")}
+    build_cache(**args)
+    model = AutoModelForCausalLM.from_pretrained(teacher)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(2)
+    model.save_pretrained(teacher)
+    with pytest.raises(cache_teacher.E3Error, match="another model"):
+        build_cache(**args)
+
+
 def _tokenizer_variant(tiny_model, path, change):
     tok = AutoTokenizer.from_pretrained(tiny_model)
     change(tok)

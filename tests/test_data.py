@@ -179,13 +179,22 @@ def test_ids_beyond_uint16_are_stored_as_uint32(tokenizer, tmp_path, token_dir):
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "bad line", "no column", "no pyarrow",
-                                  "no template"])
+                                  "no template", "json", "gzipped shards"])
 def test_bad_corpora_are_one_line_errors(case, tokenizer, tmp_path, monkeypatch, token_dir):
     path, tok, field = tmp_path / "c.jsonl", tokenizer, "text"
     expect = {"missing": "does not exist", "empty": "no text found",
               "bad line": "c.jsonl:2 is not a JSON", "no column": "no column 'text'",
-              "no pyarrow": "needs pyarrow", "no template": "no chat template"}
-    if case == "empty":
+              "no pyarrow": "needs pyarrow", "no template": "no chat template",
+              "json": "c.json' is not in a format", "gzipped shards": "c.jsonl.gz' is not in a format"}
+    if case == "json":  # read as text, it would train on its markup
+        path = tmp_path / "c.json"
+        path.write_text(json.dumps([{"text": "fine"}]))
+    elif case == "gzipped shards":  # a dataset folder: read, it would train on its card alone
+        path = tmp_path / "ds"
+        (path / "data").mkdir(parents=True)
+        (path / "README.md").write_text("# a dataset card")
+        (path / "data" / "c.jsonl.gz").write_bytes(b"\x1f\x8b\x08")
+    elif case == "empty":
         path.write_text("\n" + json.dumps({"text": "  "}) + "\n")
     elif case == "bad line":
         path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "x"}) + "\n")
@@ -218,3 +227,28 @@ def test_two_ranks_stop_together_when_rank_0_finds_no_text(tmp_path):
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode != 0 and len(errors) == 1 and "no text found" in errors[0], r.stderr[-3000:]
     assert "[rank1]: Traceback" not in r.stderr, r.stderr[-3000:]  # it too ended with the E3Error
+
+
+@pytest.mark.parametrize("change", ["chat template", "bos"])
+def test_a_tokenizer_that_encodes_otherwise_gets_its_own_token_file(change, tokenizer, tmp_path,
+                                                                    token_dir):
+    """One vocabulary, another encoding (a chat template, a BOS before every document): its own
+    token file, never the first tokenizer's stream."""
+    tok = type(tokenizer).from_pretrained(data.default_model())
+    if change == "chat template":
+        tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        path = tmp_path / "c.jsonl"
+        path.write_text(json.dumps({"messages": [{"role": "user", "content": "Who is there?"},
+                                                 {"role": "assistant", "content": "Nay, answer me."}]}))
+        text = tok.apply_chat_template(json.loads(path.read_text())["messages"], tokenize=False)
+        expect = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+    else:
+        tok._tokenizer.post_processor = __import__("tokenizers").processors.TemplateProcessing(
+            single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+        path = tmp_path / "c.txt"
+        path.write_text("Who is there?")
+        expect = torch.tensor(tok("Who is there?")["input_ids"] + [tok.eos_token_id])
+        assert expect[0] == 1 != tokenizer("Who is there?")["input_ids"][0]
+    whole_stream(tokenizer, path)  # the demo tokenizer's token file first
+    assert torch.equal(whole_stream(tok, path), expect)
+    assert len(list(token_dir.glob("*/tokens.bin"))) == 2

@@ -148,6 +148,25 @@ def test_default_windows_are_the_held_out_end(assets, tokenizer):
     assert len(val) - blocks.numel() < 16
 
 
+def test_windows_a_shorter_training_run_may_have_read_are_warned_about(assets, tokenizer, capsys):
+    """On a corpus where 5% is less than 4 windows, the held-out end is set by --seq-len: a run that
+    trained with a shorter --seq-len held out less, and trained on the start of these windows."""
+    ids = tokenizer(assets["text"].read_text())["input_ids"]
+    short, long_ = (evaluate.parse_args(["--data", str(assets["text"]), "--seq-len", str(n),
+                                         "--max-tokens", "0"]) for n in (4, 64))
+    n = len(ids) + 1  # the text, then EOS
+    assert 4 * 5 <= int(0.05 * n) < 4 * 65  # 5% sets seq-len 4's end, not 64's
+    # what the warning is about: scored from n - 4 x 65, where a run at --seq-len 16 trained to
+    assert n - 4 * 65 < n - max(int(0.05 * n), 4 * 17)
+    blocks = evaluate.eval_blocks(tokenizer, long_)
+    assert torch.equal(blocks.flatten(), torch.tensor(ids + [tokenizer.eos_token_id])[n - 4 * 65:][
+        :blocks.numel()])
+    warning = capsys.readouterr().err
+    assert "--seq-len 64" in warning and "may have trained on" in warning
+    evaluate.eval_blocks(tokenizer, short)  # 5% of the text: every run held out as much
+    assert "may have trained on" not in capsys.readouterr().err
+
+
 def test_speed_on_a_virtual_clock(assets, monkeypatch):
     """speed() and speedups() timed by a clock that only advances 1 ms per decoder-layer call: the
     4-layer teacher takes exactly 4 ms per forward, the 2-layer student 2 ms, so every number is known

@@ -64,6 +64,20 @@ def single_run(make_tiny, corpus, tmp_path_factory):
     return out
 
 
+def test_every_seed_has_its_own_data_order_in_every_epoch():
+    """batch_indices: one seeded permutation an epoch; seed s's second epoch is not seed s + 1's
+    first, and epoch 0 is torch.randperm under the seed itself (what every recorded run read)."""
+    from types import SimpleNamespace
+
+    import prune
+
+    def epoch(seed, e, n=16, b=8):  # two steps an epoch
+        args = SimpleNamespace(batch_size=b, seed=seed)
+        return sum((prune.batch_indices(step, args, n, 0, 1) for step in (2 * e, 2 * e + 1)), [])
+    assert epoch(0, 0) == torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist()
+    assert sorted(epoch(0, 1)) == list(range(16)) and epoch(0, 1) != epoch(1, 0)
+
+
 def test_log_shows_the_schedules(single_run):
     search = events(single_run, "search")
     assert [e["step"] for e in search] == [1, 2, 3, 4]  # T_M = 0.5 * 8
