@@ -153,7 +153,7 @@ def load_teacher(name, tok, device, dtype):
                       f"source_model); pass --teacher with the dense source model, or "
                       f"--teacher none") from None
     # KL and top-1 compare the two distributions token id by token id
-    if tokenizer_fingerprint(ttok) != tokenizer_fingerprint(tok):
+    if ttok.get_vocab() != tok.get_vocab():  # (a chat template or a BOS of its own: no matter)
         raise E3Error(f"teacher '{name}' has another tokenizer than the model; pass the matching "
                       f"--teacher or --teacher none")
     return teacher.eval()

@@ -613,7 +613,7 @@ def main(argv=None):
         t, t_step = step + 1, time.time()
         lr = lr_schedule(step, args)  # a pure function of the step: a resume needs no state
         # so are dropout's masks (GPT-2, OPT): each rank its own, on any device, after any resume
-        torch.manual_seed(args.seed * 2**40 + t * 2**20 + rank)
+        torch.manual_seed((args.seed * 2**40 + t * 2**20 + rank) % 2**63)
         for group in opt.param_groups:
             group["lr"] = lr
         if phase == "search":  # Alg. 1 l.3: t <= T_M
