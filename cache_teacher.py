@@ -165,8 +165,7 @@ def default_model():
     print0(f"converting {DEMO_GGUF} to safetensors in {out} (once)", file=sys.stderr)
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEMO_GGUF)
     model = AutoModelForCausalLM.from_pretrained(
-        gguf_dir, gguf_file=DEMO_GGUF, quantization_config=GgufConfig(dequantize=True),
-        dtype=torch.float32)
+        gguf_dir, gguf_file=DEMO_GGUF, quantization_config=GgufConfig(dequantize=True), dtype=torch.float32)
     if getattr(model, "hf_quantizer", None) is not None:  # else save_pretrained refuses
         model.hf_quantizer.remove_quantization_config(model)
     # under a per-process name, then renamed: torchrun ranks may convert at the same time
@@ -209,10 +208,8 @@ def load_model(name, device="cpu", dtype=torch.float32, weights=True):
         tok = AutoTokenizer.from_pretrained(name)
         if not weights:
             with torch.device("meta"):
-                return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(name),
-                                                        dtype=dtype), tok
-        model, info = AutoModelForCausalLM.from_pretrained(name, dtype=dtype,
-                                                           output_loading_info=True)
+                return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(name), dtype=dtype), tok
+        model, info = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, output_loading_info=True)
     # OSError: missing files or no network; ValueError: a config transformers cannot build
     except (OSError, ValueError) as e:
         raise E3Error(f"cannot load model '{name}' ({str(e).splitlines()[0]}); pass --model with a "
@@ -306,8 +303,7 @@ class TokenFile:
         """Tokens [start, stop) as int64. A fresh memmap per call (nanoGPT's trick): its pages are
         released with it."""
         if not 0 <= start <= stop <= self.n_tokens:
-            raise IndexError(f"tokens [{start}, {stop}) outside the {self.n_tokens} of "
-                             f"{self.folder}")
+            raise IndexError(f"tokens [{start}, {stop}) outside the {self.n_tokens} of {self.folder}")
         if stop == start:
             return torch.empty(0, dtype=torch.long)
         mm = np.memmap(self.folder / "tokens.bin", self.dtype, "r", start * self.dtype.itemsize,
@@ -351,8 +347,7 @@ def write_token_file(tok, data, text_field, folder, need=None, assistant_only=Fa
         raise
     if n_tokens == 0:
         tmp_bin.unlink(), tmp_mask.unlink()
-        raise E3Error(f"no text found in '{data or default_corpus()}'; pass --data with a "
-                      f"non-empty corpus")
+        raise E3Error(f"no text found in '{data or default_corpus()}'; pass --data with a non-empty corpus")
     meta = {"format": "e3-tokens/1", "tokenizer": tokenizer_fingerprint(tok),
             "corpus": corpus_fingerprint(data), "data": str(data or default_corpus()),
             "text_field": text_field, "dtype": np.dtype(dtype).name, "tokens": n_tokens,
@@ -361,8 +356,7 @@ def write_token_file(tok, data, text_field, folder, need=None, assistant_only=Fa
     os.replace(tmp_bin, folder / "tokens.bin")
     os.replace(tmp_mask, folder / "mask.bin") if assistant_only else tmp_mask.unlink()
     os.replace(tmp_json, folder / "tokens.json")
-    print0(f"tokenised {n_tokens} tokens of {n_docs} documents into {folder} "
-           f"({time.time() - t0:.1f}s)")
+    print0(f"tokenised {n_tokens} tokens of {n_docs} documents into {folder} ({time.time() - t0:.1f}s)")
 
 
 def token_file(tok, data=None, text_field="text", need=None, assistant_only=False):
@@ -439,8 +433,7 @@ def checked_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val
     blocks = corpus_blocks(tok, data, seq_len, max_tokens, val_frac, max_val_tokens, text_field,
                            assistant_only)
     if len(blocks["train"]) == 0:
-        raise E3Error(f"--max-tokens {max_tokens} is less than one --seq-len {seq_len} block; "
-                      f"raise it")
+        raise E3Error(f"--max-tokens {max_tokens} is less than one --seq-len {seq_len} block; raise it")
     if val_frac > 0 and len(blocks["val"]) == 0:
         raise E3Error(f"--max-val-tokens {max_val_tokens} is less than one --seq-len {seq_len} "
                       f"block; raise it (or pass --val-frac 0 for no validation split)")
@@ -552,8 +545,7 @@ def compute_shards(model, jobs, out, identity, batch_size, bar=None, logit_chunk
         for (split_name, j), seqs, beside in jobs:
             parts, gen = [], shard_generator(identity, split_name, j, device)
             for batch in seqs.split(batch_size):
-                targets = teacher_targets(model, batch.to(device), vocab, topk, logit_chunk,
-                                          samples, gen)
+                targets = teacher_targets(model, batch.to(device), vocab, topk, logit_chunk, samples, gen)
                 parts.append({k: v.cpu() for k, v in targets.items()})
                 tokens += batch.numel()
                 if bar is not None:
@@ -684,8 +676,7 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
     listing = {s: [] for s in SPLITS}
     for (s, j), rows in shards.items():
         size, sha = files[shard_name(s, j)]
-        listing[s].append({"file": shard_name(s, j), "sequences": len(rows), "bytes": size,
-                           "sha256": sha})
+        listing[s].append({"file": shard_name(s, j), "sequences": len(rows), "bytes": size, "sha256": sha})
     if rank == 0:
         meta = {"targets": "topk", **identity, "data": str(data or default_corpus()),
                 "max_tokens": max_tokens, "val_frac": val_frac, "max_val_tokens": max_val_tokens,
@@ -830,4 +821,5 @@ def main():
 
 
 if __name__ == "__main__":
+    sys.modules["cache_teacher"] = sys.modules[__name__]  # scale/ imports this script by name: one E3Error
     run_main(main)

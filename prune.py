@@ -356,8 +356,7 @@ class GumbelTopKSearch(LayerSearch):
 
     def state_dict(self):
         # the generator too: a resumed search draws the noise the uninterrupted one would have
-        return {"S": self.S.detach().cpu(), "opt": self.opt.state_dict(),
-                "gen": self.gen.get_state()}
+        return {"S": self.S.detach().cpu(), "opt": self.opt.state_dict(), "gen": self.gen.get_state()}
 
     def load_state_dict(self, state):
         self.S.data.copy_(state["S"])
@@ -574,8 +573,7 @@ def main(argv=None):
         S0, step, kept = resumed["init_scores"], resumed["step"], resumed["kept"]
         run.load_into(resumed["path"], model, opt)
         run.truncate_log(step)
-        print0(f"resumed from {resumed['path']} at step {step} "
-               f"({'search' if kept is None else 'finetune'})")
+        print0(f"resumed from {resumed['path']} at step {step} ({'search' if kept is None else 'finetune'})")
     search = search_class(args.search)(S0, args, L, T, protected, args.device)
     if resumed is not None:
         search.load_state_dict(resumed["search"])
@@ -644,8 +642,7 @@ def main(argv=None):
         if not math.isfinite(loss_avg):  # stop before opt.step() writes NaN into the weights
             raise E3Error(f"loss is {loss_avg} at step {t}; the last checkpoint in "
                           f"{run.ckpt_dir} is intact: lower --lr or check the data, then --resume")
-        norm = nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
-                                        args.grad_clip)
+        norm = nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], args.grad_clip)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: all shards'
         # Alg. 1 l.6: Theta <- Theta - lr dL/dTheta (the paper steps S first: both gradients came
         # from one backward at the same (Theta, S), so the order is immaterial)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import nn
 
 from cache_teacher import E3Error, load_model
@@ -86,8 +87,7 @@ class LayerGates:
             if self.mask is None:
                 return None  # a forward hook returning None leaves the output as it is
             y = hidden_out(output)
-            return with_hidden(output, torch.lerp(hidden_in(args, kwargs), y,
-                                                  self.mask[i].to(y.dtype)))
+            return with_hidden(output, torch.lerp(hidden_in(args, kwargs), y, self.mask[i].to(y.dtype)))
         return gate
 
     def remove(self):
@@ -433,21 +433,33 @@ def cast_as_saved(model, dtype):
     return model
 
 
+def saved_dtype(source):
+    """The source's dtype as from_pretrained(dtype="auto") reads it: its config.json's, else (one that
+    names none) the first floating-point tensor's in its first safetensors file."""
+    from transformers import AutoConfig
+    dtype = getattr(AutoConfig.from_pretrained(source), "dtype", None)
+    for file in sorted(Path(source).glob("*.safetensors"))[:1] if dtype is None else ():
+        with safe_open(file, "pt") as f:  # dtype codes: "BF16", "F16", "F32", "I64" ...
+            code = next((c for c in map(lambda k: f.get_slice(k).get_dtype(), f.keys())
+                         if c[0] == "F" or c == "BF16"), "F32")
+        dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}.get(code)
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.float32
+
+
 def export_pruned(source, state, kept, layers_before, tok, out_dir, info):
     """Write the pruned model as the user gave `source`: its model built on the meta device, cut to
     `kept`, handed `state` (the kept layers' full tensors) with assign=True, re-tied, cast back to
     the source's dtype (bf16 stays bf16), with its generation config, tokenizer files and chat
     template, and pruning.json (`info` and the layer lists, original indices)."""
-    from transformers import AutoConfig, GenerationConfig
-    config = AutoConfig.from_pretrained(source)
-    dtype = getattr(config, "dtype", None) or torch.float32
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    from transformers import GenerationConfig, PretrainedConfig
     model, _ = load_model(source, "cpu", torch.float32, weights=False)
+    dtype = saved_dtype(source)
     remove_layers(model, kept)
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()  # assign replaced the shared embedding / head tensor by two copies
     cast_as_saved(model, dtype)
-    model.config.dtype = dtype
+    for c in (model.config, *(v for v in vars(model.config).values() if isinstance(v, PretrainedConfig))):
+        c.dtype = dtype  # a composite's text and vision configs too
     try:  # the source's EOS list, temperature, top_p ...
         model.generation_config = GenerationConfig.from_pretrained(source)
     except OSError:

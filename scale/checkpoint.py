@@ -44,8 +44,7 @@ class Run:
                 raise E3Error(f"'{self.out}' already holds this run; pass --resume to continue it "
                               f"or another --out")
         elif self.out.exists() and any(self.out.iterdir()):
-            raise E3Error(f"'{self.out}' exists and is not an E3-Pruner run folder; pass another "
-                          f"--out")
+            raise E3Error(f"'{self.out}' exists and is not an E3-Pruner run folder; pass another --out")
 
     def create(self):
         """run.json, once every input has been checked: a run that could not start leaves none."""

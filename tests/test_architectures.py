@@ -312,9 +312,10 @@ def test_a_vision_tower_as_deep_as_the_decoder_keeps_its_layers(tmp_path, tokeni
                        mm_tokens_per_image=4, image_token_index=VOCAB - 1, boi_token_index=VOCAB - 2,
                        eoi_token_index=VOCAB - 3)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "src")
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp_path / "src")
     tokenizer.save_pretrained(tmp_path / "src")
-    pruned = remove_layers(AutoModelForCausalLM.from_pretrained(tmp_path / "src"), KEEP)
+    pruned = remove_layers(AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32),
+                           KEEP)
     assert pruned.config.vision_config.num_hidden_layers == L
     export_pruned(str(tmp_path / "src"), pruned.state_dict(), KEEP, L, tokenizer, tmp_path / "out",
                   {})
@@ -322,6 +323,27 @@ def test_a_vision_tower_as_deep_as_the_decoder_keeps_its_layers(tmp_path, tokeni
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert reloaded.config.vision_config.num_hidden_layers == L
     assert reloaded.config.text_config.num_hidden_layers == len(KEEP)
+    # the dtype each config says, the sub-configs' included (the model was trained in fp32)
+    dtypes = [{k: v["dtype"] if isinstance(v, dict) else v for k, v in
+               json.loads((tmp_path / d / "config.json").read_text()).items()
+               if k == "dtype" or isinstance(v, dict) and "dtype" in v} for d in ("src", "out")]
+    assert dtypes[0] == dtypes[1] and set(file_dtypes(tmp_path / "out").values()) == {"BF16"}
+
+
+def test_a_config_naming_no_dtype_exports_the_dtype_of_its_weights(tmp_path, tokenizer):
+    """An fp16 checkpoint whose config.json names no dtype (from_pretrained(dtype="auto") reads the
+    tensors' then): the export is fp16 too, not fp32 at twice the size."""
+    tiny("llama", dtype=torch.float16).save_pretrained(tmp_path / "src")
+    tokenizer.save_pretrained(tmp_path / "src")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    pruned = remove_layers(AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32),
+                           KEEP)
+    export_pruned(str(tmp_path / "src"), pruned.state_dict(), KEEP, L, tokenizer, tmp_path / "out",
+                  {})
+    assert set(file_dtypes(tmp_path / "out").values()) == {"F16"}
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float16"
 
 
 def test_prune_refuses_an_inexpressible_layout_before_any_work(tokenizer, corpus, tmp_path):

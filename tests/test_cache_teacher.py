@@ -305,15 +305,17 @@ def _tokenizer_variant(tiny_model, path, change):
     return str(path)
 
 
-@pytest.mark.parametrize("case", ["missing data", "empty data", "truncated shard", "other vocabulary",
-                                  "other tokenizer"])
+@pytest.mark.parametrize("case", ["missing data", "empty data", "unread format", "truncated shard",
+                                  "other vocabulary", "other tokenizer"])
 def test_bad_input_ends_with_one_error_line(case, ref, tmp_path):
-    if case in ("missing data", "empty data"):
-        data = tmp_path / "none.txt"
-        if case == "empty data":
-            data.write_text("  \n")
+    if case in ("missing data", "empty data", "unread format"):
+        # the unread format is refused in scale/data.py, a module that imports the script by name
+        data = tmp_path / ("none.csv" if case == "unread format" else "none.txt")
+        if case != "missing data":
+            data.write_text("a,b\n" if case == "unread format" else "  \n")
         cmd = [sys.executable, *cli(ref, data=str(data), out=str(tmp_path / "c"))]
-        expect = "does not exist" if case == "missing data" else "no text found"
+        expect = {"missing data": "does not exist", "empty data": "no text found",
+                  "unread format": "not in a format"}[case]
     else:
         cache, tok = ref["out"], ref["model_name"]
         if case == "truncated shard":
