@@ -326,7 +326,8 @@ def test_prune_py_gumbel_search_finds_the_planted_layers(planted, corpus, tmp_pa
     assert kept == [i for i in range(L_PLANT) if i not in identity]
 
 
-@pytest.mark.parametrize("method", ["evo", "random"])
+# random end to end: slow (its logic: test_random_search_is_the_best_of_its_candidates)
+@pytest.mark.parametrize("method", ["evo", pytest.param("random", marks=pytest.mark.slow)])
 def test_prune_py_evo_and_random_search_find_the_planted_layers(method, planted, corpus, tmp_path):  # noqa: F811
     """prune.py --search evo|random: the layer set is chosen before training (scored against the cache
     prune.py builds), then fine-tuned; the forward tokens it spent are in pruning.json. Random draws

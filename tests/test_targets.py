@@ -379,7 +379,8 @@ def test_kd_full_distils_the_teacher_in_the_dtype_that_made_the_cache(make_tiny,
         torch.testing.assert_close(seen[0]["teacher_logits"], teacher(seen[0]["input_ids"]).logits)
 
 
-@pytest.mark.parametrize("targets", ["sampled", "hybrid"])
+# hybrid holds both parts (the top-K and draws): sampled alone is slow
+@pytest.mark.parametrize("targets", [pytest.param("sampled", marks=pytest.mark.slow), "hybrid"])
 def test_two_ranks_with_a_sampled_cache_match_one_process(make_tiny, corpus, tmp_path, targets):  # noqa: F811
     """Two FSDP2 ranks (the vocabulary-parallel head fused with the loss) against one process on the
     plain logits path, over a sampled (or hybrid) cache: the same losses."""
