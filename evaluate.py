@@ -145,18 +145,23 @@ def teacher_name(arg, info):
     return arg if arg != "auto" else (info or {}).get("source_model")
 
 
-def load_teacher(name, tok, device, dtype):
+def load_teacher(name, device, dtype):
+    """(teacher, its tokenizer) in eval mode, or one error line."""
     try:
         teacher, ttok = load_model(name, device, dtype)
     except E3Error:
         raise E3Error(f"cannot load the teacher '{name}' (--teacher, else pruning.json's "
                       f"source_model); pass --teacher with the dense source model, or "
                       f"--teacher none") from None
-    # KL and top-1 compare the two distributions token id by token id
-    if ttok.get_vocab() != tok.get_vocab():  # (a chat template or a BOS of its own: no matter)
+    return teacher.eval(), ttok
+
+
+def check_same_tokens(name, ttok, tok):
+    """KL and top-1 compare the two distributions token id by token id: one vocabulary (a chat
+    template or a BOS of its own: no matter). Checked for every model the teacher scores."""
+    if ttok.get_vocab() != tok.get_vocab():
         raise E3Error(f"teacher '{name}' has another tokenizer than the model; pass the matching "
                       f"--teacher or --teacher none")
-    return teacher.eval()
 
 
 # -----------------------------------------------------------------------------
@@ -559,8 +564,10 @@ def evaluate_one(args, spec, blocks_for, teachers, dtype, fig_prefix):
     tname = teacher_name(args.teacher, info)
     if tname and tname not in teachers:
         teachers.clear()  # one teacher in memory at a time; runs from one source share it
-        teachers[tname] = load_teacher(tname, tok, args.device, dtype)
-    teacher = teachers.get(tname)
+        teachers[tname] = load_teacher(tname, args.device, dtype)
+    teacher, ttok = teachers.get(tname, (None, None))
+    if teacher is not None:
+        check_same_tokens(tname, ttok, tok)
     # the depth before pruning: pruning.json knows it; else the teacher's, if there is one
     L = (info or {}).get("layers_before") or (len(decoder_layers(teacher)) if teacher else None)
     k = len(decoder_layers(model))

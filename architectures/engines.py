@@ -5,8 +5,8 @@ file says otherwise; transformers reads the exported config's per-layer lists. T
 no file can fix (read from the engines' sources: docs/architectures.md cites the lines):
 
   llama.cpp  SmolLM3     no RoPE iff (j + 1) % 4 == 0, hard-coded (src/models/smollm3.cpp)
-             Llama-4     no RoPE iff (j + 1) % 4 == 0, hard-coded; MoE iff (j + 1) % step == 0
-                         (src/models/llama4.cpp)
+             Llama-4     no RoPE and full (not chunked) attention iff (j + 1) % 4 == 0,
+                         hard-coded; MoE iff (j + 1) % step == 0 (src/models/llama4.cpp)
              Qwen2/3-MoE every layer must have experts (src/models/qwen2moe.cpp, qwen3moe.cpp)
              DeepSeek    a model with q_lora_rank pruned to 26 or 27 layers is taken for V2-Lite
                          (src/models/deepseek2.cpp)
@@ -52,7 +52,9 @@ def notes(config, kept=None):
 
     if family in ("smollm3", "llama4", "llama4_text"):  # no_rope_layers[i] = 1: RoPE
         rope = getattr(cfg, "no_rope_layers", None) or [int((i + 1) % 4 != 0) for i in range(L)]
-        rule_note("llama.cpp", "RoPE", rope, lambda j: (j + 1) % 4 != 0,
+        # Llama-4's RoPE layers also attend in chunks, its NoPE layers to everything: one period
+        what = "RoPE" if family == "smollm3" else "RoPE and attention (chunked or full)"
+        rule_note("llama.cpp", what, rope, lambda j: (j + 1) % 4 != 0,
                   "has no RoPE on every 4th layer, hard-coded (no GGUF key)")
     if family in ("llama4", "llama4_text") and getattr(cfg, "moe_layers", None) is not None:
         moe = [i in set(cfg.moe_layers) for i in range(L)]

@@ -225,10 +225,10 @@ def convert(export, out=None, outtype="f16", quantize=None, llama_cpp=None):
         from transformers import AutoConfig
 
         from surgery import serving_notes
-        pruning = json.loads(info.read_text())
-        source = AutoConfig.from_pretrained(pruning["source_model"]) \
-            if Path(pruning["source_model"]).exists() else None
-        for note in serving_notes(source, pruning["kept_layers"]) if source else []:
+        # read off the export: its config holds the kept layers' settings in their new order, so
+        # its layers 0..k-1 say what the source's kept ones did (the source may be a hub id)
+        k = len(json.loads(info.read_text())["kept_layers"])
+        for note in serving_notes(AutoConfig.from_pretrained(export), list(range(k))):
             print0(f"warning: {note}")
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         raw, fixed = Path(tmp) / "converted.gguf", Path(tmp) / "fixed.gguf"

@@ -31,7 +31,8 @@ import torch
 
 import kd
 from cache_teacher import E3Error, print0
-from surgery import LayerSearch, layer_configs, layers_owner, remove_layers, top_k_layers
+from surgery import (INDEX_NAMES, LayerSearch, layer_configs, layers_owner, remove_layers,
+                     top_k_layers)
 
 
 # -----------------------------------------------------------------------------
@@ -41,14 +42,15 @@ from surgery import LayerSearch, layer_configs, layers_owner, remove_layers, top
 def only_layers(model, kept):
     """Inside the block the model runs only the decoder layers `kept` (original indices): it is
     pruned in place by surgery.remove_layers, and on exit its full ModuleList, its per-layer config
-    lists and every layer_idx are put back, so nothing is copied and every weight stays shared."""
+    lists and every layer index are put back, so nothing is copied and every weight stays shared."""
     owner, attr = layers_owner(model)
     full = getattr(owner, attr)
     configs = layer_configs(model.config, len(full))
     saved_configs = [dict(vars(cfg)) for cfg in configs]  # remove_layers replaces lists, edits none
-    # remove_layers renumbers every kept layer's layer_idx (its KV-cache slot) from 0
-    saved_idx = {m: m.layer_idx for m in full.modules()
-                 if isinstance(getattr(m, "layer_idx", None), int)}
+    # remove_layers renumbers every kept layer's index (its KV-cache slot: layer_idx, GPT-Neo's
+    # layer_id, ...) from 0
+    saved_idx = {(m, n): getattr(m, n) for m in full.modules() for n in INDEX_NAMES
+                 if isinstance(getattr(m, n, None), int)}
     remove_layers(model, kept)  # a new ModuleList of the same layer objects: no weight is copied
     try:
         yield model
@@ -56,8 +58,8 @@ def only_layers(model, kept):
         setattr(owner, attr, full)  # the original list, every layer back at its own index
         for cfg, saved in zip(configs, saved_configs):
             vars(cfg).update(saved)
-        for m, idx in saved_idx.items():
-            m.layer_idx = idx
+        for (m, n), idx in saved_idx.items():
+            setattr(m, n, idx)
 
 
 @torch.no_grad()

@@ -264,6 +264,24 @@ def test_report_several_models(assets, tmp_path):
     assert pruned["figures"] == (drawn if importlib.util.find_spec("matplotlib") else [])  # from the run's log
 
 
+def test_every_model_is_checked_against_the_teacher_it_reuses(assets, tmp_path):
+    """--model A B with one teacher: the teacher loads once, and B's tokenizer is checked against it
+    too (a model whose ids of two tokens are swapped would read a KL and top-1 of other tokens)."""
+    other = tmp_path / "other"
+    for f in assets["teacher"].iterdir():
+        (other / f.name).parent.mkdir(exist_ok=True)
+        (other / f.name).write_bytes(f.read_bytes())
+    tj = json.loads((other / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    vocab["Ġthe"], vocab["Ġand"] = vocab["Ġand"], vocab["Ġthe"]
+    (other / "tokenizer.json").write_text(json.dumps(tj))
+    common = ["--teacher", str(assets["teacher"]), "--data", str(assets["text"]), "--val-frac", "1",
+              "--seq-len", "32", "--max-tokens", "64", "--no-speed", "--no-figures", "--out", str(tmp_path / "o")]
+    for models in ([other], [assets["teacher"], other]):
+        with pytest.raises(cache_teacher.E3Error, match="another tokenizer"):
+            evaluate.main(["--model", *map(str, models)] + common)
+
+
 def test_lm_eval_local_task_offline(assets, tokenizer, monkeypatch):
     pytest.importorskip("lm_eval")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

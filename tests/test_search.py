@@ -226,6 +226,24 @@ def test_fitness_equals_float64_kl_and_leaves_the_model_whole(arch, make_tiny):
         assert torch.equal(model(ids).logits, before)  # layers, config and layer_idx restored
 
 
+def test_only_layers_puts_back_every_layer_index():
+    """GPT-Neo indexes its KV cache by `layer_id`, not `layer_idx`: after a fitness evaluation the
+    model must generate as before (a layer left renumbered shares another's cache slot)."""
+    from transformers import AutoConfig
+    cfg = AutoConfig.for_model("gpt_neo", vocab_size=V, hidden_size=32, num_layers=4, num_heads=4,
+                               intermediate_size=64, attention_types=[[["global", "local"], 2]],
+                               max_position_embeddings=64, window_size=8)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    x = torch.randint(0, V, (1, 10), generator=torch.Generator().manual_seed(0))
+    gen = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    before = model.generate(x, **gen)
+    with baselines.only_layers(model, [0, 2, 3]):
+        assert len(decoder_layers(model)) == 3
+    assert [layer.attn.attention.layer_id for layer in decoder_layers(model)] == [0, 1, 2, 3]
+    assert torch.equal(model.generate(x, **gen), before)
+
+
 class ListCache:
     """A teacher cache held in memory, with TeacherCache's reading interface."""
 

@@ -208,6 +208,30 @@ def test_gemma3_period_setting_follows_the_kept_order(tmp_path, tokenizer):
     assert saved.get("_sliding_window_pattern", saved.get("sliding_window_pattern")) == 4
 
 
+@pytest.mark.parametrize("source_model", ["absolute", "HuggingFaceTB/SmolLM3-3B", "src"])
+def test_convert_warns_whatever_pruning_json_names_as_the_source(source_model, tmp_path, tokenizer,
+                                                                 capsys):
+    """architectures/gguf.py's convert prints the serving notes prune.py printed, read from the export
+    alone: pruning.json's source_model, as the user typed it, may be a hub id or a relative path."""
+    from architectures.gguf import convert
+    from cache_teacher import E3Error
+    keep = [0, 2, 3, 5]  # SmolLM3: no RoPE on every 4th layer; layers 2 and 3 move off the period
+    out = export(tmp_path, tokenizer, "smollm3", 6, keep)
+    expected = serving_notes(AutoConfig.from_pretrained(tmp_path / "src"), keep)
+    assert any("llama.cpp" in note for note in expected)
+    info = json.loads((out / "pruning.json").read_text())
+    info["source_model"] = str(tmp_path / "src") if source_model == "absolute" else source_model
+    (out / "pruning.json").write_text(json.dumps(info))
+    tree = tmp_path / "llama.cpp"  # a converter that refuses: the notes come before it runs
+    tree.mkdir()
+    (tree / "convert_hf_to_gguf.py").write_text("raise SystemExit('stand-in')\n")
+    with pytest.raises(E3Error, match="refused"):
+        convert(out, llama_cpp=str(tree))
+    printed = [line.removeprefix("warning: ") for line in capsys.readouterr().out.splitlines()
+               if line.startswith("warning: ")]
+    assert printed == expected
+
+
 def test_the_converter_gets_the_keys_it_reads_under_old_names(tmp_path):
     """llama.cpp's Cohere2 converter reads rotary_pct, which transformers 5 no longer saves: the
     converter is given a config that has it (the export's files linked beside it, the export left
