@@ -179,8 +179,8 @@ def parse_args(argv=None):
 
 
 def lr_schedule(step, args):
-    """Linear warm-up, then cosine decay to lr/10 at T (nanoGPT's three branches; a floor of lr/10,
-    not 0, so that the last steps of a short run still learn)."""
+    """Linear warm-up, lr t / W at steps t = 1..W, then a cosine from lr at step W + 1 towards lr/10
+    at T + 1 (nanoGPT's branches; a floor of lr/10, not 0: a short run's last steps still learn)."""
     warmup = at(args.warmup, args.steps)
     if step < warmup:  # step + 1: the very first step already moves the weights
         return args.lr * (step + 1) / warmup
@@ -497,8 +497,10 @@ def settle(args, L, world):
                       "process on the plain logits path (--logit-chunk 0): the teacher beside it")
     protected = protected_layers(L, args.protect_first, args.protect_last)
     check_keep(args, L, protected)
-    in_loop = search_class(args.search).in_loop and args.steps
-    args.search_steps = max(1, round(args.search_frac * args.steps)) if in_loop else 0
+    in_loop = search_class(args.search).in_loop and args.steps and args.search_frac > 0
+    # T_M = round(search_frac T), halves up (0.1 x 25: 3), at least one step when there is a search
+    t_m = math.floor(Fraction(str(args.search_frac)) * args.steps + Fraction(1, 2))
+    args.search_steps = max(1, t_m) if in_loop else 0
     return protected
 
 
@@ -648,11 +650,12 @@ def main(argv=None):
         # from one backward at the same (Theta, S), so the order is immaterial)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if phase == "search":
-            mask = gates.mask.detach().cpu().tolist()  # the layers this step ran
+        if phase == "search":  # the layers each of this step's draws ran (--masks-per-step)
+            with torch.no_grad():
+                masks = [search.sample_mask(j).cpu().tolist() for j in range(args.masks_per_step)]
             search.step()  # Alg. 1 l.5: S <- S - lr_S dL/dS
-            run.log(event="search", step=t, scores=search.S.detach().cpu().tolist(), mask=mask,
-                    **search.log_fields())
+            run.log(event="search", step=t, scores=search.S.detach().cpu().tolist(), mask=masks[0],
+                    **({"masks": masks} if len(masks) > 1 else {}), **search.log_fields())
         step, dt = t, time.time() - t_step
         run.log(event="train", step=t, phase=phase, loss=loss_avg, lr=lr,
                 tokens=t * tokens_per_step, tok_per_s=tokens_per_step / dt, grad_norm=norm.item())

@@ -130,8 +130,7 @@ def layer_bypassed(layers, rec, skip):
     (soft-capping, logit scales): the logits are the model's own."""
     for i in range(skip):
         layers[i].forward = lambda *a, _out=rec.outputs[i], **k: _out
-    layers[skip].forward = lambda *a, _out=rec.outputs[skip], **k: with_hidden(_out,
-                                                                               hidden_in(a, k))
+    layers[skip].forward = lambda *a, _out=rec.outputs[skip], **k: with_hidden(_out, hidden_in(a, k))
     try:
         yield
     finally:

@@ -95,6 +95,17 @@ def test_log_shows_the_schedules(single_run):
     assert len(events(single_run, "val")) >= 3
 
 
+@pytest.mark.parametrize("frac, T, T_M", [(0.1, 25, 3), (0.1, 15, 2), (0.1, 35, 4), (0.1, 45, 5),
+                                           (0.1, 1200, 120), (0.05, 80, 4), (0.01, 20, 1), (0, 20, 0)])
+def test_search_steps_are_the_search_fraction_of_T_rounded_half_up(frac, T, T_M):
+    """T_M = round(search_frac T), halves up whatever the float (0.1 x 35 = 3.5000000000000004 and
+    0.1 x 25 = 2.5 alike), at least one step when there is a search, none at --search-frac 0."""
+    import prune
+    args = prune.parse_args(["--model", "m", "--keep", "4", "--steps", str(T), "--search-frac", str(frac)])
+    prune.settle(args, L, 1)
+    assert args.search_steps == T_M
+
+
 @pytest.fixture(scope="module")
 def two_rank_run(make_tiny, corpus, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("two")
@@ -397,7 +408,8 @@ def test_keep_only_the_protected_layers(make_tiny, corpus, tmp_path):
 
 def test_given_layers_train_exactly_as_the_search_free_run_that_chose_them(make_tiny, corpus, tmp_path):
     """--layers skips stages 1 and 2: given the layers that KL one-shot (--search none) keeps, it trains
-    bit for bit the same model (same seed, same data order); a set without the protected layers fails."""
+    bit for bit the same model (same seed, same data order), as --search-frac 0 does; a set without
+    the protected layers fails."""
     model = make_tiny("llama", L)
     oneshot, given = tmp_path / "oneshot", tmp_path / "given"
     run(tiny_args(model, corpus, oneshot, "--search", "none", "--steps", "4"), tmp_path)
@@ -410,6 +422,12 @@ def test_given_layers_train_exactly_as_the_search_free_run_that_chose_them(make_
     assert not events(given, "search") and events(given, "importance")[0]["method"] == "given"
     w1, w2 = weights(oneshot), weights(given)
     assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+    # --search-frac 0 (T_M = 0): the Gumbel search takes no step, the top-k of S_0 as --search none
+    no_steps = tmp_path / "no-steps"
+    run(tiny_args(model, corpus, no_steps, "--steps", "4", "--search-frac", "0"), tmp_path)
+    assert not events(no_steps, "search") and events(no_steps, "pruned")[0]["kept"] == kept
+    w3 = weights(no_steps)
+    assert w3.keys() == w1.keys() and all(torch.equal(w1[k], w3[k]) for k in w1)
     free = [i for i in range(1, L - 1) if i not in kept]
     no_first = free + kept[2:]  # K layers, but not the protected layer 0
     bad = tiny_args(model, corpus, tmp_path / "bad", "--layers", ",".join(map(str, no_first)))
@@ -475,6 +493,11 @@ def test_masks_per_step_gives_each_draw_its_share_of_the_micro_batches(make_tiny
         differ += two[0] != two[1]
     assert runs[2][0][0] == runs[1][0][0]  # step 1: the first of two draws is the one-mask run's draw
     assert differ >= 2  # 4 steps of 2 draws of 2-3 of 4 free layers: equal every time with p < 1e-2
+    # the log holds every draw a step ran (the first as "mask", as with one draw)
+    for n in (1, 2):
+        logged = events(tmp_path / f"n{n}", "search")
+        assert [e["mask"] for e in logged] == [step[0] for step in runs[n]]
+        assert [e.get("masks") for e in logged] == ([None] * 4 if n == 1 else [step[:2] for step in runs[n]])
 
     with pytest.raises(cache_teacher.E3Error, match="masks-per-step"):  # 4 micro-batches do not split in 3
         prune.main(tiny_args(model, corpus, tmp_path / "n3", "--masks-per-step", "3"))
