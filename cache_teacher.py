@@ -500,8 +500,8 @@ class ShardWriter:
     """Saves shards on a background thread (at most two queued) so that the forwards never wait for
     the disk; each under a temporary name, renamed: a killed run leaves whole shards or none."""
 
-    def __init__(self, identity):
-        self.metadata = {"e3_identity": json.dumps(identity, sort_keys=True)}
+    def __init__(self, identity, dtype):  # each shard records the teacher dtype that made it
+        self.metadata = {"e3_identity": json.dumps({**identity, "teacher_dtype": dtype}, sort_keys=True)}
         self.dtypes = storage_dtypes(identity["vocab_size"], identity.get("targets", "topk"),
                                      identity.get("assistant_only", False))
         self.delay = float(os.environ.get("E3_CACHE_SHARD_DELAY", 0))  # the kill-and-rerun test's
@@ -539,8 +539,8 @@ def compute_shards(model, jobs, out, identity, batch_size, bar=None, logit_chunk
     """Compute and save the shards `jobs`, ((split, j), input_ids (n, T), {name: (n, T) tensor}
     stored beside them) triples; returns the tokens done. Batches never straddle shards."""
     vocab, topk, samples = identity["vocab_size"], identity["topk"], identity.get("samples", 0)
-    device = next(model.parameters()).device
-    writer, tokens = ShardWriter(identity), 0
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    writer, tokens = ShardWriter(identity, str(dtype).removeprefix("torch.")), 0
     try:
         for (split_name, j), seqs, beside in jobs:
             parts, gen = [], shard_generator(identity, split_name, j, device)
@@ -587,14 +587,16 @@ def _complete(out, identity):
                for split_name in SPLITS for s in meta["shards"][split_name])
 
 
-def _shard_done(path, identity, input_ids):
-    """A shard left by an earlier run counts if it opens, is this cache's, and holds these inputs."""
+def _shard_done(path, identity, input_ids, dtype):
+    """A shard left by an earlier run counts if it opens, is this cache's, holds these inputs, and
+    this teacher dtype made it (a build moved from a GPU's bf16 to a CPU's fp32 mixes no shards)."""
     if not path.exists():
         return False
     try:
         with safe_open(path, "pt") as f:
-            _refuse_other_cache(path.parent, identity, json.loads(f.metadata()["e3_identity"]))
-            return torch.equal(f.get_tensor("input_ids").long(), input_ids)
+            _refuse_other_cache(path.parent, identity, found := json.loads(f.metadata()["e3_identity"]))
+            return (found.get("teacher_dtype", dtype) == dtype
+                    and torch.equal(f.get_tensor("input_ids").long(), input_ids))
     except (SafetensorError, KeyError, json.JSONDecodeError):
         return False  # unreadable: computed again
 
@@ -627,9 +629,8 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
     # rank 0 hashes the token blocks; the others read only their own shards
     hashes = all_gather({s: b.sha256() for s, b in blocks.items()} if rank == 0 else None)[0]
     identity = {  # everything the shards depend on: any difference makes `out` another cache
-        "format": FORMAT, "model": model_fingerprint(model_name),
-        "tokenizer": tokenizer_fingerprint(tok), "vocab_size": vocab, "topk": topk,
-        "seq_len": seq_len, "shard_seqs": shard_seqs,
+        "format": FORMAT, "model": model_fingerprint(model_name), "tokenizer": tokenizer_fingerprint(tok),
+        "vocab_size": vocab, "topk": topk, "seq_len": seq_len, "shard_seqs": shard_seqs,
         "dtypes": {k: str(v).removeprefix("torch.")
                    for k, v in storage_dtypes(vocab, targets, assistant_only).items()},
         "sequences": {s: len(b) for s, b in blocks.items()}, "tokens_sha256": hashes}
@@ -647,8 +648,9 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
     shards = {(s, j): range(j * shard_seqs, min((j + 1) * shard_seqs, len(blocks[s])))
               for s in SPLITS for j in range(-(-len(blocks[s]) // shard_seqs))}
     mine = list(shards)[rank::world]  # round-robin: the ranks' loads differ by one shard at most
+    dtype = str(teacher_dtype(device)).removeprefix("torch.")
     todo = [job for job in mine if not _shard_done(out / shard_name(*job), identity,
-                                                   blocks[job[0]][shards[job]])]
+                                                   blocks[job[0]][shards[job]], dtype)]
     t0, tokens = time.time(), 0
     shard = False
     if world > 1:  # a teacher too big for one GPU (or --shard-teacher) is FSDP2-sharded
@@ -680,7 +682,7 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
     if rank == 0:
         meta = {"targets": "topk", **identity, "data": str(data or default_corpus()),
                 "max_tokens": max_tokens, "val_frac": val_frac, "max_val_tokens": max_val_tokens,
-                "teacher_dtype": str(teacher_dtype(device)).removeprefix("torch."),
+                "teacher_dtype": dtype,
                 "bytes_per_token": round(total_bytes / n_tokens, 2), "shards": listing}
         (out / "meta.json.tmp").write_text(json.dumps(meta, indent=1) + "\n")
         os.replace(out / "meta.json.tmp", out / "meta.json")  # never seen half-written

@@ -130,6 +130,5 @@ def next_token_loss(logits, input_ids, mask=None, loss_mask=None):
 LOSSES = {
     "akd": lambda logits, b: kd_loss(logits, b, weighted=True),
     "kd": lambda logits, b: kd_loss(logits, b, weighted=False),
-    "sft": lambda logits, b: next_token_loss(logits, b["input_ids"], b.get("mask"),
-                                             b.get("loss_mask")),
+    "sft": lambda logits, b: next_token_loss(logits, b["input_ids"], b.get("mask"), b.get("loss_mask")),
 }

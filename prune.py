@@ -222,8 +222,7 @@ def make_optimizer(model, args, carried=None):
     params = [p for p in model.parameters() if p.requires_grad]
     # betas (0.9, 0.95), the usual LLM choice (the paper names AdamW and the lr); fused: one kernel
     # with no temporaries the size of all the weights
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
-                            fused=True)
+    opt = torch.optim.AdamW(params, args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
     for p in params if carried is not None else []:
         if p in carried:  # a kept layer's weights are the same Parameter objects after the cut
             opt.state[p] = carried[p]

@@ -167,6 +167,23 @@ def test_truncated_shard_is_refused_then_recomputed(ref, tmp_path):
     assert shard_listing(out) == shard_listing(ref["out"])
 
 
+def test_a_shard_another_teacher_dtype_made_is_computed_again(ref, tmp_path):
+    """A build killed on a GPU (a bf16 teacher) and finished on a CPU (fp32) must not leave the two
+    teachers' shards under one meta.json: a shard that another teacher dtype made is redone."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    out = shutil.copytree(ref["out"], tmp_path / "cache")
+    (out / "meta.json").unlink()  # as a killed build leaves it
+    shard = out / "train-00001.safetensors"
+    with safe_open(shard, "pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    tensors["topk_logprobs"] -= 0.5  # a stand-in for the other teacher's numbers
+    made = {**json.loads(metadata["e3_identity"]), "teacher_dtype": "bfloat16"}
+    save_file(tensors, shard, {"e3_identity": json.dumps(made, sort_keys=True)})
+    build_cache(**{**ref, "out": str(out)})
+    assert shard_listing(out) == shard_listing(ref["out"])  # the same bytes as the one-teacher build
+
+
 def test_two_ranks_give_the_same_cache_as_one(ref, tmp_path):
     out = str(tmp_path / "cache2")
     r = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
