@@ -12,6 +12,9 @@ no file can fix (read from the engines' sources: docs/architectures.md cites the
                          (src/models/deepseek2.cpp)
   vLLM       GPT-OSS     sliding window iff j % 2 == 0, hard-coded (models/gpt_oss.py)
              Llama-4     MoE iff (j + 1) % interleave_moe_layer_step == 0 (models/llama4.py)
+  mlx-lm     Gemma-3     full attention iff (j + 1) % sliding_window_pattern == 0, the period alone
+                         (mlx_lm/models/gemma3_text.py; layouts.py rewrites it when the kept order
+                         has a period, so only an order without one is named)
 
 and, dense and pruned alike, settings llama.cpp hard-codes where a config may say otherwise (the
 released checkpoints agree with llama.cpp except GPT-OSS's):
@@ -89,6 +92,13 @@ def notes(config, kept=None):
     if family in ("llama4", "llama4_text") and getattr(cfg, "attention_chunk_size", 8192) != 8192:
         out.append(f"llama.cpp: {family} attends in chunks of 8192 tokens, this config in "
                    f"{cfg.attention_chunk_size}: its logits differ past that many tokens")
+    if family == "gemma3_text" and getattr(cfg, "layer_types", None):
+        from architectures.layouts import period
+        full = [t != "sliding_attention" for t in cfg.layer_types]
+        p = getattr(cfg, "sliding_window_pattern", None) or cfg._sliding_window_pattern
+        if keep is None or not period([full[i] for i in keep]):  # else written out (layouts.py)
+            rule_note("mlx-lm", "attention (sliding or full)", full, lambda j: (j + 1) % p == 0,
+                      f"puts full attention on every {p}th layer (sliding_window_pattern)")
     if family == "gpt_oss" and getattr(cfg, "layer_types", None):
         sliding = [t == "sliding_attention" for t in cfg.layer_types]
         if keep is None or not all(sliding[i] for i in keep):  # all sliding: vLLM serves it so

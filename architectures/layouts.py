@@ -15,8 +15,9 @@ back with `write_rules`, in the family's own keys:
                                              sparse layers are not one
   interleave_moe_layer_step (+ moe_layers)   Llama-4: transformers reads the list, vLLM the step ->
                                              the step of the kept MoE layers, if they have one
-  sliding_window_pattern (Gemma-3's period)  transformers reads layer_types, older engines the
-                                             period -> the kept layers' period, if they have one
+  sliding_window_pattern (Gemma-3's period)  transformers reads layer_types, mlx-lm the period
+                                             -> the kept layers' period, if they have one, under
+                                             its public name (transformers 5 saves a private one)
   num_nextn_predict_layers                   DeepSeek-V3's multi-token-prediction layers, which
                                              transformers never loads (so no export holds) -> 0
 
@@ -85,7 +86,7 @@ def write_rules(cfg, keep, found):
             cfg.interleave_moe_layer_step = step
     if "sliding_window_pattern" in found:
         full = period([t != "sliding_attention" for t in cfg.layer_types])
-        if full:
-            cfg._sliding_window_pattern = full
+        if full:  # the name the hub's config.json and mlx-lm use, and transformers' own
+            cfg.sliding_window_pattern = cfg._sliding_window_pattern = full
     if "num_nextn_predict_layers" in found:
         cfg.num_nextn_predict_layers = 0

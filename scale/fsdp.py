@@ -22,7 +22,8 @@ file is what keeps the memory of a rank down (each measured: docs/scale.md):
   full_state_dict           the whole fp32 state gathered onto rank 0's CPU a tensor at a time
   meta_model                prune.py --plan RANKS: the model built from config.json alone, no memory
 
-In one process (prune.py --logit-chunk), parallelize applies only tied_lookup_adds_rows.
+In one process (prune.py --logit-chunk), parallelize applies only tied_lookup_adds_rows (and, on a
+CPU, release_freed_memory, as prune.py does for every scale-wing run there).
 """
 import ctypes
 import types
@@ -277,8 +278,7 @@ def tied_lookup_adds_rows(model):
     weights are the same tensors."""
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if (head is None or head.weight is not embed.weight or not embed.weight.requires_grad
-            or type(embed).forward is not nn.Embedding.forward or embed.max_norm is not None
-            or embed.sparse):
+            or type(embed).forward is not nn.Embedding.forward or not plain_lookup(embed)):
         return model
 
     anchor = torch.zeros((), requires_grad=True)

@@ -148,6 +148,14 @@ def test_tied_lookup_adds_rows_gives_autograds_gradient():
     embed = plain["model.embed_tokens.weight"]
     assert embed[[5, 9, 120]].abs().min() > 0 and (embed[7] != 0).any()  # rows the lookup and the head fill
 
+    # scale_grad_by_freq divides each row's lookup gradient by its count in the batch: no adding of
+    # rows (plain_lookup), so the lookup stays autograd's and the gradient its
+    model.get_input_embeddings().scale_grad_by_freq = True
+    plain, adds = tied_grads(model, batches, False), tied_grads(model, batches, True)
+    for name in plain:
+        torch.testing.assert_close(adds[name], plain[name], rtol=1e-12, atol=1e-14)
+    model.get_input_embeddings().scale_grad_by_freq = False
+
     config.tie_word_embeddings = False
     untied = AutoModelForCausalLM.from_config(config)
     forward = untied.get_input_embeddings().forward

@@ -197,15 +197,30 @@ def test_vllm_period_settings_stay_consistent(tmp_path, tokenizer):
     assert note.startswith("vLLM: gpt_oss") and "[1, 2, 3, 4]" in note, note
 
 
-def test_gemma3_period_setting_follows_the_kept_order(tmp_path, tokenizer):
-    """Gemma-3's sliding_window_pattern (read by older engines instead of layer_types) is rewritten to
-    the kept order's period when it has one: 12 -> 8 layers keeping 4-sliding-1-full-like order."""
+@pytest.mark.parametrize("hub_key", [False, True])
+def test_gemma3_period_setting_follows_the_kept_order(hub_key, tmp_path, tokenizer):
+    """Gemma-3's sliding_window_pattern (mlx-lm reads it instead of layer_types) is rewritten to the
+    kept order's period when it has one: 12 -> 8 layers keeping 4-sliding-1-full-like order. Written
+    under the name the engines read, whether the source's config.json had it (the hub's do) or not
+    (transformers 5 saves only its private _sliding_window_pattern)."""
     keep = [0, 1, 2, 5, 6, 7, 8, 11]  # layers 3, 4, 9, 10 gone: full at 5 and 11 -> new 3 and 7
-    out = export(tmp_path, tokenizer, "gemma3_text", 12, keep)
+    out = export(tmp_path, tokenizer, "gemma3_text", 12, keep, **({"sliding_window_pattern": 6}
+                                                                   if hub_key else {}))
     saved = json.loads((out / "config.json").read_text())
     assert saved["layer_types"][3] == saved["layer_types"][7] == "full_attention"
-    # transformers 5 saves the period under its private name
-    assert saved.get("_sliding_window_pattern", saved.get("sliding_window_pattern")) == 4
+    assert saved["sliding_window_pattern"] == 4
+    assert saved.get("_sliding_window_pattern", 4) == 4
+
+
+def test_gemma3_kept_off_any_period_is_named_for_mlx_lm(tokenizer):
+    """A kept order with no period: the list alone says it; mlx-lm, which reads the period, is named
+    with the layers it would compute with the other attention."""
+    cfg = tiny_config("gemma3_text", 12)
+    assert [t == "full_attention" for t in cfg.layer_types].count(True) == 2  # full at 5 and 11
+    keep = [0, 1, 2, 3, 4, 5, 6, 7, 8, 11]  # full at new 5 and 9: no period; mlx-lm's 6 slides 9
+    (note,) = [n for n in serving_notes(cfg, keep) if n.startswith("mlx-lm")]
+    assert "layers [9]" in note and "gemma3_text" in note, note
+    assert [n for n in serving_notes(cfg, [0, 1, 2, 5, 6, 7, 8, 11]) if n.startswith("mlx-lm")] == []
 
 
 @pytest.mark.parametrize("source_model", ["absolute", "HuggingFaceTB/SmolLM3-3B", "src"])
