@@ -5,7 +5,8 @@ and goes on, later and elsewhere, where it stopped; and the tables made from the
 
   python experiments/seeds.py record RUN_DIR METHOD SEED OUT.json EVAL.json [EVAL.json ...]
   python experiments/seeds.py table [RESULTS_DIR]        # markdown: mean +- sd, min-max, paired
-  python experiments/seeds.py targets [RESULTS_DIR]      # the teacher targets' table (compare.sh targets)
+  python experiments/seeds.py targets [RESULTS_DIR] [-4x]  # the teacher targets' table (compare.sh
+                                                           # targets; -4x: its X4=1 runs)
 
 Statistics, per method and held-out corpus, over the seeds that finished:
   mean +- sd   the sample standard deviation (n - 1); a method with one run shows its value alone
@@ -198,7 +199,7 @@ def targets_table(results_dir=RESULTS, budget=""):
     """The teacher targets on KL one-shot's layers (compare.sh targets; budget "-4x" for X4=1): per
     held-out corpus the full-vocabulary KL to the teacher (and its ratio to full KD's, the issue's
     goal: within 2%; seed by seed in brackets), perplexity, top-1 agreement, the student's mass off
-    the teacher's top-K (K the run's --topk: 10, the hybrid target's 8; the teacher's own beside it)
+    the teacher's top-K (K the run's --topk: 10, the hybrids' 8 or 16; the teacher's own beside it)
     and the top-1's expected calibration error; mean over the seeds."""
     by = load(results_dir)
     rows = [m + budget for m in TARGETS if m + budget in by]
