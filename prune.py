@@ -689,7 +689,7 @@ def main(argv=None):
             f"loss={args.loss}", "flags": run_identity(args), "tokens_trained": T * tokens_per_step,
             "search_forward_tokens": 0, **search.summary(), "initial_scores": S0.tolist(),
             "final_scores": search.S.detach().cpu().tolist()}
-    if world > 1:  # the full fp32 tensors gathered one at a time onto rank 0's CPU
+    if torch.distributed.is_initialized():  # FSDP2's shards, gathered a tensor at a time onto rank 0
         from scale.fsdp import full_state_dict
         state = full_state_dict(model)
     else:

@@ -7,6 +7,7 @@ and goes on, later and elsewhere, where it stopped; and the tables made from the
   python experiments/seeds.py table [RESULTS_DIR]        # markdown: mean +- sd, min-max, paired
   python experiments/seeds.py targets [RESULTS_DIR] [-4x]  # the teacher targets' table (compare.sh
                                                            # targets; -4x: its X4=1 runs)
+  RESULTS_DIR: a folder of run JSONs, or several, comma-separated (a series made on two machines)
 
 Statistics, per method and held-out corpus, over the seeds that finished:
   mean +- sd   the sample standard deviation (n - 1); a method with one run shows its value alone
@@ -108,10 +109,14 @@ def record(run_dir, method, seed, out, *evals):
 
 
 def load(results_dir=RESULTS):
-    runs = [json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("*.json"))]
+    """{method: {seed: run}}; results_dir may be several folders, comma-separated (one series made on
+    two machines). A method's seed recorded twice is refused, not overwritten."""
     by = {}
-    for r in runs:
-        by.setdefault(r["method"], {})[r["seed"]] = r
+    for p in sorted(p for d in str(results_dir).split(",") for p in Path(d).glob("*.json")):
+        r = json.loads(p.read_text())
+        if r["seed"] in by.setdefault(r["method"], {}):
+            sys.exit(f"{p}: {r['method']} seed {r['seed']} is recorded twice")
+        by[r["method"]][r["seed"]] = r
     return by
 
 

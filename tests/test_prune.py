@@ -36,11 +36,11 @@ def tiny_args(model, corpus, out, *extra):
             *extra]
 
 
-def run(args, tmp_path, nproc=1, check=True, **kw):
+def run(args, tmp_path, nproc=1, check=True, torchrun=False, **kw):
     env = {**os.environ, "E3_TEACHER_CACHE": str(tmp_path / "teacher"), "OMP_NUM_THREADS": "1",
            "PYTHONUNBUFFERED": "1"}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--master_port", str(29500 + os.getpid() % 1000)] if nproc > 1 else [sys.executable]
+                "--master_port", str(29500 + os.getpid() % 1000)] if nproc > 1 or torchrun else [sys.executable]
     proc = subprocess.run(launcher + [str(ROOT / "prune.py"), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600, **kw)
     if check:
@@ -112,6 +112,16 @@ def two_rank_run(make_tiny, corpus, tmp_path_factory):
     out = tmp / "run"
     run(tiny_args(make_tiny("llama", L), corpus, out), tmp, nproc=2)
     return out
+
+
+def test_one_rank_under_torchrun_exports_what_one_process_does(single_run, make_tiny, corpus, tmp_path):
+    """torchrun --nproc_per_node 1 --logit-chunk (one GPU's scale wing: FSDP2 over a world of one)
+    exports the plain one-process run's layers and weights: its export handed FSDP2's DTensors to
+    safetensors, which could not save them (seen on an H100)."""
+    out = tmp_path / "run"
+    run(tiny_args(make_tiny("llama", L), corpus, out, "--logit-chunk", "16"), tmp_path, torchrun=True)
+    assert events(out, "pruned")[0]["kept"] == events(single_run, "pruned")[0]["kept"]
+    assert_same_weights(single_run, out, atol=1e-4)
 
 
 def test_only_k_layers_run_after_the_cut(make_tiny, corpus, tmp_path, monkeypatch):
