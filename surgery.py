@@ -349,7 +349,7 @@ def pruned_config(config, keep):
 # the families a serving engine computes differently once pruned off its fixed periods (llama.cpp,
 # vLLM): architectures/engines.py says where, imported only for these
 SERVING_FAMILIES = ("smollm3", "llama4", "llama4_text", "qwen2_moe", "qwen3_moe", "deepseek_v2",
-                    "deepseek_v3", "gpt_oss", "olmoe", "gemma3_text")
+                    "deepseek_v3", "gpt_oss", "olmoe", "gemma3_text", "afmoe", "exaone4", "glm4_moe_lite")
 
 
 def serving_notes(config, kept=None):

@@ -9,7 +9,11 @@ no file can fix (read from the engines' sources: docs/architectures.md cites the
                          hard-coded; MoE iff (j + 1) % step == 0 (src/models/llama4.cpp)
              Qwen2/3-MoE every layer must have experts (src/models/qwen2moe.cpp, qwen3moe.cpp)
              DeepSeek    a model with q_lora_rank pruned to 26 or 27 layers is taken for V2-Lite
-                         (src/models/deepseek2.cpp)
+                         (src/models/deepseek2.cpp; GLM-4.7-Flash too, which llama.cpp runs so)
+             AFMoE       no RoPE iff (j + 1) % 4 == 0, hard-coded (src/models/afmoe.cpp); its
+                         transformers model has RoPE on the sliding layers alone
+             EXAONE-4    sliding windows, and no RoPE on the full layers, only at 64 layers
+                         (src/models/exaone4.cpp): a pruned one attends in full everywhere
   vLLM       GPT-OSS     sliding window iff j % 2 == 0, hard-coded (models/gpt_oss.py)
              Llama-4     MoE iff (j + 1) % interleave_moe_layer_step == 0 (models/llama4.py)
   mlx-lm     Gemma-3     full attention iff (j + 1) % sliding_window_pattern == 0, the period alone
@@ -27,7 +31,7 @@ released checkpoints agree with llama.cpp except GPT-OSS's):
              Llama-4     attention chunks of 8192 tokens whatever attention_chunk_size says
                          (src/models/llama4.cpp)
 
-The sliding-window order of Gemma-2/3, GPT-OSS and Cohere2 in llama.cpp is no such case: the GGUF
+The sliding-window order of Gemma-2/3, GPT-OSS, Cohere2 and AFMoE in llama.cpp is no such case: the GGUF
 command (architectures/gguf.py) writes it per layer. surgery.serving_notes imports this module only
 for the families above (surgery.SERVING_FAMILIES).
 """
@@ -73,7 +77,17 @@ def notes(config, kept=None):
         if not all(sparse[i] for i in (keep if keep is not None else range(L))):
             out.append(f"llama.cpp: {family} needs experts in every layer; the dense layers kept "
                        f"here do not load there")
-    if family in ("deepseek_v2", "deepseek_v3") and getattr(cfg, "q_lora_rank", None):
+    if family == "afmoe" and getattr(cfg, "layer_types", None):  # RoPE iff the layer slides
+        rope = [t == "sliding_attention" for t in cfg.layer_types]
+        rule_note("llama.cpp", "RoPE", rope, lambda j: (j + 1) % 4 != 0,
+                  "has no RoPE on every 4th layer, hard-coded (no GGUF key)")
+    if family == "exaone4" and "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+        if keep is None or len(keep) != 64:
+            n = "fewer" if keep is None else len(keep)
+            out.append(f"llama.cpp: exaone4 slides its window (and leaves RoPE out of the full "
+                       f"layers) only at 64 layers, hard-coded: with {n} every layer attends in "
+                       f"full with RoPE there, whatever the GGUF says")
+    if family in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite") and getattr(cfg, "q_lora_rank", None):
         if keep is None or len(keep) in (26, 27):
             out.append(f"llama.cpp: {family} with {'26 or 27' if keep is None else len(keep)} "
                        f"layers is taken for DeepSeek-V2-Lite and does not load; keep another "

@@ -50,7 +50,7 @@ from cache_teacher import CACHE_DIR, E3Error, print0, run_main  # noqa: E402
 LLAMA_CPP_PACKAGE = "llama-cpp-python==0.3.36"
 # llama.cpp's arch name -> the fixed period its loader falls back to (load_swa_pattern: layer il is
 # sliding iff il % n < n - 1), for the families whose converter writes no per-layer array
-SWA_PERIOD = {"gemma3": 6, "gemma2": 2, "gpt-oss": 2, "cohere2": 4}
+SWA_PERIOD = {"gemma3": 6, "gemma2": 2, "gpt-oss": 2, "cohere2": 4, "afmoe": 4}
 # the layer count at which llama.cpp scales Gemma's attention by query_pre_attn_scalar (27B)
 GEMMA_27B_LAYERS = {"gemma3": 62, "gemma2": 46}
 # key llama.cpp's converter reads -> (the key transformers 5 saves instead, its default if absent)
@@ -117,7 +117,9 @@ def gguf_keys(arch, cfg):
             keys[gguf.Keys.LLM.INTERLEAVE_MOE_LAYER_STEP.format(arch=arch)] = step
     if arch == "deepseek2" and cfg.get("q_lora_rank") is None and k not in (26, 27):
         keys[gguf.Keys.Attention.Q_LORA_RANK.format(arch=arch)] = 0
-    if cfg.get("model_type") == "deepseek_v3":  # DeepseekV3TopkRouter: sigmoid, always
+    # DeepseekV3TopkRouter, GLM-4.7-Flash's router: sigmoid, always (llama.cpp guesses softmax but
+    # for GLM-4.7-Flash's own layer count and vocabulary)
+    if cfg.get("model_type") in ("deepseek_v3", "glm4_moe_lite"):
         keys[gguf.Keys.LLM.EXPERT_GATING_FUNC.format(arch=arch)] = gguf.ExpertGatingFuncType.SIGMOID
     if arch == "gpt2" and cfg.get("n_inner") not in (None, 4 * cfg["n_embd"]):
         keys[gguf.Keys.LLM.FEED_FORWARD_LENGTH.format(arch=arch)] = cfg["n_inner"]
@@ -247,11 +249,12 @@ def convert(export, out=None, outtype="f16", quantize=None, llama_cpp=None):
         if scale is not None:
             print0(f"folded the query scale {scale:.6g} into the queries (llama.cpp's Gemma "
                    f"attention scale depends on the layer count)")
-        if quantize:
-            subprocess.run([str(tool(tree, "llama-quantize")), str(fixed), str(out), quantize],
+        if quantize:  # into the temporary folder too: a failed run leaves no partial file at out
+            quantized = Path(tmp) / "quantized.gguf"
+            subprocess.run([str(tool(tree, "llama-quantize")), str(fixed), str(quantized), quantize],
                            check=True, stdout=subprocess.DEVNULL)
-        else:
-            os.replace(fixed, out)
+            fixed = quantized
+        os.replace(fixed, out)
     print0(f"wrote {out} ({arch})")
     return out
 

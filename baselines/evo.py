@@ -46,7 +46,7 @@ def only_layers(model, kept):
     owner, attr = layers_owner(model)
     full = getattr(owner, attr)
     configs = layer_configs(model.config, len(full))
-    saved_configs = [dict(vars(cfg)) for cfg in configs]  # remove_layers replaces lists, edits none
+    saved_configs = [dict(vars(cfg)) for cfg in configs]  # remove_layers replaces or adds, edits none
     # remove_layers renumbers every kept layer's index (its KV-cache slot: layer_idx, GPT-Neo's
     # layer_id, ...) from 0
     saved_idx = {(m, n): getattr(m, n) for m in full.modules() for n in INDEX_NAMES
@@ -56,7 +56,8 @@ def only_layers(model, kept):
         yield model
     finally:
         setattr(owner, attr, full)  # the original list, every layer back at its own index
-        for cfg, saved in zip(configs, saved_configs):
+        for cfg, saved in zip(configs, saved_configs):  # a key the cut added goes too
+            vars(cfg).clear()
             vars(cfg).update(saved)
         for (m, n), idx in saved_idx.items():
             setattr(m, n, idx)

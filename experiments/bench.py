@@ -134,8 +134,8 @@ def bench_search(seq_len=128, batch=4, repeats=5):
     model, tok = _trainable(device=device)
     L, vocab = len(decoder_layers(model)), vocab_size(tok)
     b = _kd_batch(model, tok, seq_len, batch)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    args = prune_args(L, search_steps=2)  # beta, score lr, seed, one mask a step: prune.py's
+    args = prune_args(L, "--lr", "1e-6", search_steps=2)  # beta, score lr, seed, one mask a step
+    opt = prune.make_optimizer(model, args)  # prune.py's AdamW (fused), as every benchmark here
     search = prune.GumbelTopKSearch(torch.randn(L), args, L, 20, [0, L - 1], device)
 
     # Both sides take a full optimizer step on the same L-layer model and batch; the search side
@@ -198,7 +198,7 @@ def bench_offline(seq_len=128, batch=4, repeats=5):
     remove_layers(student, list(range(KEEP)))  # which layers does not matter for the step's cost
     vocab = vocab_size(tok)
     b = _kd_batch(teacher, tok, seq_len, batch)
-    opt = torch.optim.AdamW(student.parameters(), lr=1e-6)
+    opt = prune.make_optimizer(student, prune_args(L, "--lr", "1e-6"))
 
     # forward+backward of the student costs ~3 F_s, a teacher forward F_t: offline KD saves
     # exactly the teacher term, so offline/online should sit at 3 F_s / (3 F_s + F_t), not at
@@ -244,7 +244,7 @@ def bench_caching(seq_len=256, batch_size=4, shards=2, shard_seqs=4, topk=10, re
     @torch.no_grad()
     def plain():  # the forwards alone, the same batches: what caching cannot avoid
         for batch in blocks.split(batch_size):
-            model(input_ids=batch.to(device)).logits
+            model(input_ids=batch.to(device), use_cache=False).logits  # as compute_shards
 
     def caching():
         with tempfile.TemporaryDirectory() as out:  # a fresh folder each round: no shard is reused
@@ -334,7 +334,7 @@ def bench_fused(seq_len=512, batch=1, repeats=5, chunk=256):
     model, tok = _trainable(device=device)
     vocab = vocab_size(tok)
     b = _kd_batch(model, tok, seq_len, batch)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    opt = prune.make_optimizer(model, prune_args(30, "--lr", "1e-6"))
     plain = prune.plain_losses(vocab, autocast=device.type == "cuda")
     fused = FusedLoss(vocab, chunk, reference=plain)
 
@@ -367,7 +367,7 @@ def bench_targets(seq_len=128, batch=4, repeats=5, samples=12):
                                          generator=torch.Generator(device).manual_seed(0))}
               for k, n in ((8, samples), (16, 24))}
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    opt = prune.make_optimizer(model, prune_args(30, "--lr", "1e-6"))
     for name, other in (("tail", {**topk, "targets": "tail"}), (f"sampled{samples}", sampled),
                         *((f"hybrid{k}+{n}", b) for (k, n), b in hybrid.items())):
         t_o, t_k, ratios = side_by_side(lambda: _train_step(model, opt, other, vocab, device),

@@ -244,6 +244,20 @@ def test_only_layers_puts_back_every_layer_index():
     assert torch.equal(model.generate(x, **gen), before)
 
 
+def test_only_layers_leaves_the_config_as_it_found_it():
+    """The cut may add settings (Gemma-3's sliding_window_pattern, written for the kept order by
+    architectures/layouts.py); on exit the config must be the one the block found, key for key:
+    serving_notes reads the period from it at the cut."""
+    from conftest import tiny_config
+    cfg = tiny_config("gemma3_text", 6)
+    vars(cfg).pop("sliding_window_pattern", None)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    before = dict(vars(model.config))
+    with baselines.only_layers(model, [0, 2, 3, 4, 5]):
+        pass
+    assert vars(model.config) == before
+
 class ListCache:
     """A teacher cache held in memory, with TeacherCache's reading interface."""
 

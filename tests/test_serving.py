@@ -316,3 +316,52 @@ def test_keys_the_converter_leaves_out_or_writes_from_a_constant():
     assert gguf_keys("gpt2", gpt2) == {"gpt2.feed_forward_length": 128}
     assert gguf_keys("gpt2", {**gpt2, "n_inner": None}) == {}
     assert gguf_keys("gpt2", {**gpt2, "n_inner": 256}) == {}
+
+
+def afmoe_config():
+    return AutoConfig.for_model("afmoe", num_hidden_layers=8, hidden_size=32, intermediate_size=64,
+                                moe_intermediate_size=16, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=8, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
+                                vocab_size=64)
+
+
+def test_afmoe_windows_are_written_per_layer_and_its_rope_period_warned():
+    """AFMoE in llama.cpp: layer il slides iff il % 4 < 3 (load_swa_pattern(ml, 4), no array from the
+    converter) and has RoPE iff (il + 1) % 4 != 0, hard-coded; transformers gives RoPE to the sliding
+    layers alone. Layer 1 of 8 gone: the full layers move to new indices 2 and 6."""
+    from architectures.gguf import gguf_keys
+    from surgery import pruned_config
+    config, keep = afmoe_config(), [0, 2, 3, 4, 5, 6, 7]
+    cfg = pruned_config(config, keep).get_text_config().to_dict()
+    sliding = [t == "sliding_attention" for t in cfg["layer_types"]]
+    assert sliding == [True, True, False, True, True, True, False]  # the kept layers' own order
+    assert gguf_keys("afmoe", cfg) == {"afmoe.attention.sliding_window_pattern": sliding}
+    llama_cpp_rope = [(j + 1) % 4 != 0 for j in range(len(keep))]
+    differ = [j for j in range(len(keep)) if llama_cpp_rope[j] != sliding[j]]  # [2, 3, 6]
+    (note,) = serving_notes(config, keep)
+    assert "llama.cpp: afmoe" in note and "RoPE" in note and str(differ) in note, note
+    assert serving_notes(config, [0, 1, 2, 3]) == []  # the first four: on llama.cpp's period
+    assert gguf_keys("afmoe", pruned_config(config, [0, 1, 2, 3]).get_text_config().to_dict()) == {}
+
+
+def test_exaone4_pruned_from_64_layers_is_warned():
+    """EXAONE-4 in llama.cpp has sliding windows (and no RoPE on the full layers) only at 64 layers,
+    hard-coded; a pruned model gets full attention and RoPE everywhere whatever the file says."""
+    config = AutoConfig.for_model("exaone4", num_hidden_layers=64, hidden_size=32, intermediate_size=64,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  vocab_size=64, sliding_window=4096, sliding_window_pattern=4)
+    for kept in (None, list(range(60))):  # the last four gone: on the period, still 60 layers
+        assert any("llama.cpp: exaone4" in n and "64" in n for n in serving_notes(config, kept)), \
+            serving_notes(config, kept)
+    assert serving_notes(config, list(range(64))) == []  # not pruned: llama.cpp's own case
+
+
+def test_glm4_moe_lite_routes_by_sigmoid_in_the_gguf():
+    """GLM-4.7-Flash (glm4_moe_lite, llama.cpp's deepseek2) routes by sigmoid in transformers, and its
+    config names no scoring function: llama.cpp takes sigmoid only at 47 or 48 layers and the
+    154,880-token vocabulary, softmax otherwise, so a pruned one needs the key."""
+    from architectures.gguf import gguf_keys
+    glm = {"model_type": "glm4_moe_lite", "num_hidden_layers": 40, "q_lora_rank": 768}
+    assert gguf_keys("deepseek2", glm) == {"deepseek2.expert_gating_func": 2}
+    config = AutoConfig.for_model("glm4_moe_lite", num_hidden_layers=28, q_lora_rank=16)
+    assert any("V2-Lite" in n for n in serving_notes(config, list(range(27))))
