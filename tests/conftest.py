@@ -1,6 +1,8 @@
 """Shared fixtures: tiny random-init causal LMs of several architectures, saved like real checkpoints
 with the demo model's tokenizer, and the `slow` marker."""
+import os
 import re
+import socket
 import sys
 from pathlib import Path
 
@@ -11,6 +13,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts live
 
 import cache_teacher  # noqa: E402
 import kd  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: one thread a worker, subprocesses too
+    os.environ["OMP_NUM_THREADS"] = "1"   # (torch jobs sharing the cores' threads run 5-20x slower)
+    torch.set_num_threads(1)
+
+
+def free_port():
+    """A port nothing listens on now, for torchrun's --master_port (pytest -n runs several)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
 
 
 def topk_kd_loss(student_logits, topk_ids, topk_logprobs, entropy=None, mask=None):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import torchrun_failure
+from conftest import free_port, torchrun_failure
 from test_prune import ROOT, assert_same_weights, tiny_args
 from test_prune import corpus, single_run  # noqa: F401
 
@@ -66,7 +66,7 @@ def test_two_nodes_on_one_host_match_one_process(single_run, make_tiny, corpus, 
     """torchrun --nnodes 2 --node-rank 0|1 (one rank each, a static rendezvous at node 0's address) is
     the README's multi-node launch; on one host it must train the same model as one process."""
     out = tmp_path / "run"
-    port = str(29700 + os.getpid() % 1000)
+    port = free_port()
     env = {**os.environ, "E3_TEACHER_CACHE": str(tmp_path / "teacher"), "OMP_NUM_THREADS": "1"}
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
                                str(n), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
@@ -220,7 +220,7 @@ def test_fsdp_gradients_and_what_a_backward_gathers(tokenizer, tmp_path, tied):
     script.write_text(ROWS_UNDER_FSDP)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(29700 + os.getpid() % 200 + tied), str(script),
+                           "--master_port", free_port(), str(script),
                            str(tmp_path / "m"), str(ROOT), str(tmp_path)], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, torchrun_failure(proc.stdout, proc.stderr)
@@ -283,7 +283,7 @@ def test_gloo_collectives_in_pieces(tmp_path):
     script.write_text(CHUNKED)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(29600 + os.getpid() % 90), str(script), str(ROOT),
+                           "--master_port", free_port(), str(script), str(ROOT),
                            str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, torchrun_failure(proc.stdout, proc.stderr)
@@ -329,7 +329,7 @@ def test_gradients_are_reduce_scattered_after_every_micro_batch(make_tiny, corpu
     args = tiny_args(make_tiny("llama", 6), corpus, tmp_path / "out", "--steps", "4", "--ckpt-every", "100")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "E3_TEACHER_CACHE": str(tmp_path / "teacher")}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(29900 + os.getpid() % 90), str(script), str(ROOT), *args],
+                           "--master_port", free_port(), str(script), str(ROOT), *args],
                           env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, torchrun_failure(proc.stdout, proc.stderr)
     seen = sorted(line for line in proc.stdout.splitlines() if "sharded after" in line)
@@ -413,7 +413,7 @@ def test_vocabulary_parallel_loss_equals_float64_whole_logits(tmp_path, world):
     script.write_text(VOCAB_PARALLEL_LOSS)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-                           "--master_port", str(30100 + os.getpid() % 90 + world), str(script), str(ROOT),
+                           "--master_port", free_port(), str(script), str(ROOT),
                            str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, torchrun_failure(proc.stdout, proc.stderr)
     ranks = [json.loads((tmp_path / f"rank{r}{tail}.json").read_text()) for r in range(world)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import torchrun_failure
+from conftest import free_port, torchrun_failure
 
 ROOT = Path(__file__).resolve().parents[1]
 L, K = 6, 4
@@ -40,7 +40,7 @@ def run(args, tmp_path, nproc=1, check=True, torchrun=False, **kw):
     env = {**os.environ, "E3_TEACHER_CACHE": str(tmp_path / "teacher"), "OMP_NUM_THREADS": "1",
            "PYTHONUNBUFFERED": "1"}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--master_port", str(29500 + os.getpid() % 1000)] if nproc > 1 or torchrun else [sys.executable]
+                "--master_port", free_port()] if nproc > 1 or torchrun else [sys.executable]
     proc = subprocess.run(launcher + [str(ROOT / "prune.py"), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600, **kw)
     if check:
@@ -162,7 +162,7 @@ def kill_after_first_checkpoint(args, tmp_path, nproc):
     env = {**os.environ, "E3_TEACHER_CACHE": str(tmp_path / "teacher"), "PYTHONUNBUFFERED": "1",
            "OMP_NUM_THREADS": "1"}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--master_port", str(29600 + os.getpid() % 1000)] if nproc > 1 else [sys.executable]
+                "--master_port", free_port()] if nproc > 1 else [sys.executable]
     proc = subprocess.Popen(launcher + [str(ROOT / "prune.py"), *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     for line in proc.stdout:

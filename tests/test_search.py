@@ -7,7 +7,6 @@ exactly those two; 2 FSDP ranks search exactly as one process does."""
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ import baselines.evo as baselines
 from baselines.evo import (evo_search, first_tokens, fitness, new_offspring, random_genome,
                            random_search, swap)
 from cache_teacher import TeacherCache, build_cache
-from conftest import torchrun_failure
+from conftest import free_port, torchrun_failure
 from prune import plain_losses
 from surgery import decoder_layers
 from test_prune import corpus, events, kill_after_first_checkpoint, run  # noqa: F401  (corpus: a fixture)
@@ -431,11 +430,8 @@ def test_evo_search_on_two_fsdp_ranks_matches_one_process(planted, planted_cache
     script.write_text(EVO_ON_RANKS)
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
-    with socket.socket() as sock:  # a free port: other test runs may be using torchrun too
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                "--master_port", port]
+                "--master_port", free_port()]
     proc = subprocess.run(launcher + [str(script), path, cache, str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, torchrun_failure(proc.stderr)
