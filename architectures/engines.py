@@ -57,10 +57,14 @@ def notes(config, kept=None):
             out.append(f"{engine}: {family} {text}: the pruned model's layers {changed} (new "
                        f"indices) would get the other {what} there than in transformers")
 
+    rope = None  # which layers have RoPE, where llama.cpp hard-codes none on every 4th
     if family in ("smollm3", "llama4", "llama4_text"):  # no_rope_layers[i] = 1: RoPE
         rope = getattr(cfg, "no_rope_layers", None) or [int((i + 1) % 4 != 0) for i in range(L)]
+    elif family == "afmoe" and getattr(cfg, "layer_types", None):  # RoPE iff the layer slides
+        rope = [t == "sliding_attention" for t in cfg.layer_types]
+    if rope is not None:
         # Llama-4's RoPE layers also attend in chunks, its NoPE layers to everything: one period
-        what = "RoPE" if family == "smollm3" else "RoPE and attention (chunked or full)"
+        what = "RoPE and attention (chunked or full)" if family.startswith("llama4") else "RoPE"
         rule_note("llama.cpp", what, rope, lambda j: (j + 1) % 4 != 0,
                   "has no RoPE on every 4th layer, hard-coded (no GGUF key)")
     if family in ("llama4", "llama4_text") and getattr(cfg, "moe_layers", None) is not None:
@@ -77,10 +81,6 @@ def notes(config, kept=None):
         if not all(sparse[i] for i in (keep if keep is not None else range(L))):
             out.append(f"llama.cpp: {family} needs experts in every layer; the dense layers kept "
                        f"here do not load there")
-    if family == "afmoe" and getattr(cfg, "layer_types", None):  # RoPE iff the layer slides
-        rope = [t == "sliding_attention" for t in cfg.layer_types]
-        rule_note("llama.cpp", "RoPE", rope, lambda j: (j + 1) % 4 != 0,
-                  "has no RoPE on every 4th layer, hard-coded (no GGUF key)")
     if family == "exaone4" and "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
         if keep is None or len(keep) != 64:
             n = "fewer" if keep is None else len(keep)

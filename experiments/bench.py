@@ -122,6 +122,11 @@ def prune_args(L=30, *flags, search_steps=None):
     return args
 
 
+def _optimizer(model, L=30):
+    """prune.py's optimizer (the fused AdamW, its betas), at an lr that barely moves the weights."""
+    return prune.make_optimizer(model, prune_args(L, "--lr", "1e-6"))
+
+
 def _trainable(name=None, device=None):
     model, tok = load_model(name, device)
     model.config.use_cache = False  # as prune.build_student: no KV cache is built while training
@@ -134,8 +139,8 @@ def bench_search(seq_len=128, batch=4, repeats=5):
     model, tok = _trainable(device=device)
     L, vocab = len(decoder_layers(model)), vocab_size(tok)
     b = _kd_batch(model, tok, seq_len, batch)
-    args = prune_args(L, "--lr", "1e-6", search_steps=2)  # beta, score lr, seed, one mask a step
-    opt = prune.make_optimizer(model, args)  # prune.py's AdamW (fused), as every benchmark here
+    opt = _optimizer(model, L)
+    args = prune_args(L, search_steps=2)  # beta, score lr, seed, one mask a step: prune.py's
     search = prune.GumbelTopKSearch(torch.randn(L), args, L, 20, [0, L - 1], device)
 
     # Both sides take a full optimizer step on the same L-layer model and batch; the search side
@@ -198,7 +203,7 @@ def bench_offline(seq_len=128, batch=4, repeats=5):
     remove_layers(student, list(range(KEEP)))  # which layers does not matter for the step's cost
     vocab = vocab_size(tok)
     b = _kd_batch(teacher, tok, seq_len, batch)
-    opt = prune.make_optimizer(student, prune_args(L, "--lr", "1e-6"))
+    opt = _optimizer(student, L)
 
     # forward+backward of the student costs ~3 F_s, a teacher forward F_t: offline KD saves
     # exactly the teacher term, so offline/online should sit at 3 F_s / (3 F_s + F_t), not at
@@ -334,7 +339,7 @@ def bench_fused(seq_len=512, batch=1, repeats=5, chunk=256):
     model, tok = _trainable(device=device)
     vocab = vocab_size(tok)
     b = _kd_batch(model, tok, seq_len, batch)
-    opt = prune.make_optimizer(model, prune_args(30, "--lr", "1e-6"))
+    opt = _optimizer(model)
     plain = prune.plain_losses(vocab, autocast=device.type == "cuda")
     fused = FusedLoss(vocab, chunk, reference=plain)
 
@@ -367,7 +372,7 @@ def bench_targets(seq_len=128, batch=4, repeats=5, samples=12):
                                          generator=torch.Generator(device).manual_seed(0))}
               for k, n in ((8, samples), (16, 24))}
     model.train()
-    opt = prune.make_optimizer(model, prune_args(30, "--lr", "1e-6"))
+    opt = _optimizer(model)
     for name, other in (("tail", {**topk, "targets": "tail"}), (f"sampled{samples}", sampled),
                         *((f"hybrid{k}+{n}", b) for (k, n), b in hybrid.items())):
         t_o, t_k, ratios = side_by_side(lambda: _train_step(model, opt, other, vocab, device),

@@ -22,7 +22,7 @@ import baselines.evo as baselines
 from baselines.evo import (evo_search, first_tokens, fitness, new_offspring, random_genome,
                            random_search, swap)
 from cache_teacher import TeacherCache, build_cache
-from conftest import free_port, torchrun_failure
+from conftest import free_port, tiny_config, torchrun_failure
 from prune import plain_losses
 from surgery import decoder_layers
 from test_prune import corpus, events, kill_after_first_checkpoint, run  # noqa: F401  (corpus: a fixture)
@@ -247,7 +247,6 @@ def test_only_layers_leaves_the_config_as_it_found_it():
     """The cut may add settings (Gemma-3's sliding_window_pattern, written for the kept order by
     architectures/layouts.py); on exit the config must be the one the block found, key for key:
     serving_notes reads the period from it at the cut."""
-    from conftest import tiny_config
     cfg = tiny_config("gemma3_text", 6)
     vars(cfg).pop("sliding_window_pattern", None)
     torch.manual_seed(0)
