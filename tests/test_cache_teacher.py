@@ -278,10 +278,27 @@ def test_two_ranks_split_the_shard_check_and_both_refuse_a_corrupt_one(ref, tmp_
     assert len(errors) == 1 and "corrupt" in errors[0] and listed[1] in errors[0], r.stderr[-3000:]
 
 
+SLOW_WRITER = """
+import os, sys, time
+sys.path.insert(0, {repo!r})
+import cache_teacher
+rename = os.replace
+def slow_rename(src, dst):
+    rename(src, dst)
+    if str(dst).endswith(".safetensors"):
+        time.sleep(2)
+cache_teacher.os.replace = slow_rename
+cache_teacher.run_main(cache_teacher.main)
+"""
+
+
 def test_sigkill_then_rerun_equals_an_uninterrupted_run(ref, tmp_path):
     out = tmp_path / "cache"
-    env = {**os.environ, "E3_CACHE_SHARD_DELAY": "2"}  # the writer pauses after each shard
-    proc = subprocess.Popen([sys.executable, *cli(ref, out=str(out))], cwd=REPO, env=env,
+    # the script as a user runs it, its writer pausing 2 s after each shard it renames into place:
+    # time to kill it between two shards
+    slow = tmp_path / "slow_writer.py"
+    slow.write_text(SLOW_WRITER.format(repo=str(REPO)))
+    proc = subprocess.Popen([sys.executable, str(slow), *cli(ref, out=str(out))[1:]], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     first = out / "train-00000.safetensors"
     deadline = time.time() + 600  # generous: on a loaded machine loading and one shard can take minutes
@@ -409,3 +426,16 @@ def test_gpu_ranks_can_reduce_cpu_tensors(monkeypatch):
         [(device, got["b"]) for device in capability[got["b"]]]
     assert {"cpu", "cuda"} <= {device for device, _ in pairs}, got["b"]
     assert all(device in capability[backend] for device, backend in pairs), got["b"]
+
+
+def test_a_masked_vocabulary_entry_leaves_the_entropy_finite():
+    # a teacher that masks tokens (logit -inf, e.g. a banned id) contributes 0 log 0 = 0 to H_t;
+    # 0 x -inf would make it NaN and stop AKD at its first step
+    logits = torch.randn(1, 5, 12, dtype=torch.float64)
+    logits[..., [3, 7]] = -float("inf")
+    teacher = lambda input_ids, use_cache: type("Out", (), {"logits": logits.float()})
+    got = cache_teacher.teacher_targets(teacher, torch.zeros(1, 5, dtype=torch.long), 12, topk=4)
+    p = torch.softmax(logits[..., [i for i in range(12) if i not in (3, 7)]], -1)
+    expected = -(p * p.log()).sum(-1)  # float64, over the finite entries only
+    assert torch.isfinite(got["entropy"]).all()
+    torch.testing.assert_close(got["entropy"].double(), expected, rtol=1e-5, atol=1e-6)
