@@ -1,0 +1,298 @@
+"""
+The numbers behind `prune.py --plan RANKS`: from config.json alone (the model on the meta device,
+scale.fsdp.meta_model), the micro-batch and activation checkpointing a run on RANKS GPUs can use, what
+each rank holds, and how long the run takes on H100s, H200s and A100s. The FLOP count lives here
+and nowhere else: experiments/gpu_bench.py imports it for its MFU.
+
+FLOPs (model FLOPs, torchtitan's convention: recomputation is not counted), per trained token at
+sequence length s:
+
+    6 N + 12 n s a          forward + backward        (2 N + 4 n s a for a forward alone)
+
+N the matmul parameters: every decoder layer's weights of two or more dimensions and the LM head's
+V x d (counted even when tied to the embedding: the head's matmul runs; the input embedding, a
+lookup, is not counted); a routed expert (a 3-D weight, experts first) counts at the share of the
+experts a token visits, top-k / experts. n the decoder layers, a = heads x head_dim: the two
+attention matmuls, QK^T and AV, of 2 s a FLOPs each a token and layer, x 3 for the backward, not
+halved for the causal mask (torchtitan's and PaLM's convention: MFU figures compare across
+codebases). E3-Pruner's run: the search's T_M steps run all L layers, the T - T_M after the cut the
+kept k; the teacher cache is the teacher's forward over the same tokens (the validation split's
+few more are left out).
+
+Memory per rank (GB = 1e9 bytes), the search's (all L layers run; after the cut less), as listed by
+memory():
+
+    state        16 B a trainable parameter (fp32 weights, gradients, AdamW's two moments), 4 B a
+                 frozen one (LoRA), split over the ranks by FSDP
+    activations  micro-batch tokens x L x the bytes a token and layer keeps for the backward, + one
+                 layer's whole when checkpointing (its recomputation in the backward)
+    unit         FSDP2: 10 B x the largest decoder layer's parameters (its bf16 weights gathered and
+                 the next layer's prefetched, its bf16 gradient and the fp32 copy reduce-scattered);
+                 one process: the 2 B bf16 copy of every matmul weight autocast caches
+    tokens       > 1 rank: every rank's h (bf16) and dL/dh (fp32) a micro-batch, 6 B x ranks x
+                 tokens x d (the vocabulary-parallel embedding and head exchange tokens, not weights)
+    head         the fused head's chunk of logits, ~4 fp32 copies: 16 B x chunk x V / ranks; the
+                 plain path's whole micro-batch of them: 16 B x tokens x V
+    batch        the cache's rows on the device: 8 B an input id, 12 B a top-K slot (int64 id, fp32
+                 log-prob), 8 B a drawn id, 4 B the entropy
+
+A card's usable memory is USABLE (90%) of it: the CUDA context, NCCL's buffers and the caching
+allocator's fragmentation take the rest.
+
+Activation bytes a token and layer (Llama-style layers: RMSNorms, attention by SDPA/flash with no
+(s x s) scores kept, a gated MLP; d hidden, q = heads x head_dim, k = kv heads x head_dim, I the MLP's
+intermediate size, h heads, r the residual stream's bytes: 2 under FSDP2's bf16, 4 in one process
+under autocast with fp32 master weights):
+
+    none         2 (4 d + r d) + 4 q + 4 k + 4 h + 8 I  (+ 10 d when r = 4: autocast's bf16 copy
+                 of each linear's fp32 input)
+                 each norm: its fp32 upcast and its output; q and k after RoPE, v, SDPA's output
+                 and log-sum-exp; the MLP's gate, SiLU(gate), up and their product
+    selective    r d + 3 q + 4 h + 2 k + 2 d + 2 I   torchtitan's op-level policy: the layer's
+                 input, SDPA's output, every other matmul's output; norms and SiLU recomputed
+    full         r d   the layer's input alone, the whole layer recomputed in the backward
+
+(Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", arXiv
+2205.05198, count the same way for GPT's layers: 34 d + 5 h s bytes in bf16.) When
+experiments/gpu_bench.json holds the bench's measurement (experiments/gpu_bench.py: the difference
+between two depths of one shape, FSDP2 over one GPU), each mode's formula is scaled by measured /
+formula at the bench's shape. Likewise MFU: the bench's, else ASSUMED_MFU; checkpointing's
+recomputation slows a step by its measured tok/s ratio, else by RECOMPUTE (full: 8 instead of 6
+FLOPs a parameter).
+"""
+import json
+import math
+from pathlib import Path
+
+from surgery import decoder_layers
+
+GB = 1e9
+# dense bf16 peak (no sparsity) and memory of the cards a run is planned for; peak_flops() reads
+# other names of these (the bench's device)
+GPUS = {"H100": (989e12, 80 * GB), "H200": (989e12, 141 * GB), "A100": (312e12, 80 * GB)}
+PEAKS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
+USABLE = 0.9
+MODES = ("none", "selective", "full")  # activation checkpointing, the cheapest in time first
+# torchtitan, Llama-3.1-8B on 8 H100s, FSDP2 eager, selective checkpointing, seq 8192: 5,762 tok/s a
+# GPU, ~34% MFU counting the LM head (benchmarks/llama3_h100_202412_torchtitan.md)
+ASSUMED_MFU = 0.34
+ASSUMED = "assumed: torchtitan's FSDP2 eager, Llama-3.1-8B on H100s"
+RECOMPUTE = {"none": 1.0, "selective": 0.95, "full": 0.75}  # MFU x this, unless measured
+BENCH_JSON = Path(__file__).resolve().parents[1] / "experiments" / "gpu_bench.json"
+BENCH_SHAPE = "7b8"  # the bench's shape closest to the models users prune
+
+
+# -----------------------------------------------------------------------------
+# FLOPs
+
+def matmul_params(params, top_k=None):
+    """The multiply-adds a token does with these weights: every weight of 2+ dimensions; a 3-D one
+    holds routed experts (experts first), of which a token visits top_k."""
+    return sum(p.numel() * (min(1.0, (top_k or p.shape[0]) / p.shape[0]) if p.dim() == 3 else 1)
+               for p in params if p.dim() >= 2)
+
+
+def text_config(model):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def attention_width(cfg):
+    """a = heads x head_dim (Qwen3-32B: 64 x 128 = 8192, wider than its hidden 5120)."""
+    heads = cfg.num_attention_heads
+    return heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+
+
+def head_params(model):
+    """The LM head's V x d, tied or not (its matmul runs either way)."""
+    head = model.get_output_embeddings()
+    return head.weight.numel() if head is not None else 0
+
+
+def flops_per_token(model, seq_len, n_layers=None, train=True):
+    """Model FLOPs a token at `seq_len`, with n_layers decoder layers of the model's mean layer (all
+    of them by default): 6 N + 12 n s a for a training step, 2 N + 4 n s a for a forward (the
+    module's docstring)."""
+    cfg, layers = text_config(model), decoder_layers(model)
+    n = len(layers) if n_layers is None else n_layers
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    per_layer = sum(matmul_params(layer.parameters(), top_k) for layer in layers) / len(layers)
+    N = n * per_layer + head_params(model)
+    return (3 if train else 1) * (2 * N + 4 * n * seq_len * attention_width(cfg))
+
+
+def run_flops(args, model, L):
+    """(training FLOPs, teacher-cache FLOPs, tokens): the search's T_M steps at L layers, the rest at
+    the kept k, and the teacher's forward over every trained token."""
+    step_tokens = args.batch_size * args.seq_len
+    search, after = args.search_steps * step_tokens, (args.steps - args.search_steps) * step_tokens
+    train = (search * flops_per_token(model, args.seq_len, L)
+             + after * flops_per_token(model, args.seq_len, args.keep))
+    cache = (search + after) * flops_per_token(model, args.seq_len, L, train=False)
+    return train, cache, search + after
+
+
+def peak_flops(device_name):
+    """A device name's dense bf16 peak (torch.cuda.get_device_name), or None for one not listed."""
+    return next((peak for name, peak in PEAKS if name in (device_name or "")), None)
+
+
+# -----------------------------------------------------------------------------
+# Memory
+
+def activation_formula(cfg, mode, residual_bytes=2):
+    """Bytes a token and decoder layer keeps for the backward (the module's docstring)."""
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    q, r = attention_width(cfg), residual_bytes
+    k = (getattr(cfg, "num_key_value_heads", None) or h) * q // h
+    inter = cfg.intermediate_size
+    if mode == "full":
+        return r * d
+    if mode == "selective":
+        return r * d + 3 * q + 4 * h + 2 * k + 2 * d + 2 * inter
+    return 2 * (4 * d + r * d) + 4 * q + 4 * k + 4 * h + 8 * inter + (10 * d if r == 4 else 0)
+
+
+def load_bench(path=BENCH_JSON):
+    """The bench's JSON (experiments/gpu_bench.py), or {} where none is kept in the repo."""
+    return json.loads(Path(path).read_text()) if Path(path).exists() else {}
+
+
+def activation_bytes(cfg, mode, residual_bytes, measured):
+    """(bytes a token and layer, source): the formula, scaled by the bench's measured / formula at
+    its own shape when the bench measured this mode."""
+    formula = activation_formula(cfg, mode, residual_bytes)
+    found = measured.get("activations", {}).get(mode)
+    if not found:
+        return formula, "formula"
+    return formula * found["measured"] / found["formula"], f"formula x {found['measured'] / found['formula']:.3f} measured"
+
+
+def memory(args, model, ranks, micro_batch, mode, measured=None):
+    """Bytes on each of `ranks` GPUs in a search step (the module's docstring), by part."""
+    measured = {} if measured is None else measured
+    cfg, layers, params = text_config(model), decoder_layers(model), list(model.parameters())
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    frozen = sum(p.numel() for p in params) - trainable
+    tokens, V, d = micro_batch * args.seq_len, cfg.vocab_size, cfg.hidden_size
+    fsdp = ranks > 1
+    chunk = (args.logit_chunk or 256) if fsdp else args.logit_chunk
+    act, _ = activation_bytes(cfg, mode, 2 if fsdp else 4, measured)
+    recompute = activation_bytes(cfg, "none", 2 if fsdp else 4, measured)[0] if mode != "none" else 0
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    K = 0 if args.targets == "sampled" else args.topk
+    N = 0 if args.targets == "topk" else args.samples
+    return {
+        "state": (16 * trainable + 4 * frozen) / ranks,
+        "activations": tokens * (len(layers) * act + recompute),
+        "unit": (10 * max(sum(p.numel() for p in layer.parameters()) for layer in layers) if fsdp
+                 else 2 * (matmul_params((p for layer in layers for p in layer.parameters()), top_k)
+                           + head_params(model))),
+        "tokens": 6 * ranks * tokens * d if fsdp else 0,
+        "head": 16 * chunk * math.ceil(V / ranks) if chunk else 16 * tokens * V,
+        "batch": tokens * (8 + 12 * K + 8 * N + 4),
+    }
+
+
+def choose(args, model, ranks, card_bytes, measured=None):
+    """The run's micro-batch and checkpointing on `ranks` cards of card_bytes each: checkpointing only
+    when memory needs it (none, then selective, then full), and with it the largest micro-batch (a
+    divisor of the batch a rank runs) that fits USABLE of the card. Returns (micro_batch, mode,
+    memory by part); (None, None, the smallest run's memory) where nothing fits."""
+    per_rank = args.batch_size // ranks
+    sizes = [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
+    for mode in MODES:
+        for m in sizes:
+            parts = memory(args, model, ranks, m, mode, measured)
+            if sum(parts.values()) <= USABLE * card_bytes:
+                return m, mode, parts
+    return None, None, memory(args, model, ranks, 1, "full", measured)
+
+
+def min_ranks(args, model, ranks, card_bytes, measured=None):
+    """The fewest ranks above `ranks` (a divisor of the batch, as prune.py requires) on which a run
+    fits, or None."""
+    return next((n for n in range(ranks + 1, args.batch_size + 1) if args.batch_size % n == 0
+                 and choose(args, model, n, card_bytes, measured)[0]), None)
+
+
+# -----------------------------------------------------------------------------
+# Time
+
+def mfu(measured, ranks, mode, compiled=False, what="train"):
+    """(MFU, its source) for a run on `ranks` GPUs with checkpointing `mode`: the bench's record of
+    that path (FSDP2 above one rank, the plain head in one process; the teacher's forward for the
+    cache) at BENCH_SHAPE, else ASSUMED_MFU; checkpointing's slowdown measured, else RECOMPUTE's."""
+    runs = [r for r in measured.get("runs", []) if r.get("shape") == BENCH_SHAPE and r.get("mfu")]
+    on = f"on {measured.get('device')}"
+    if what == "cache":
+        found = [r for r in runs if r["path"] == "teacher"]
+        return (found[0]["mfu"], f"measured {on}") if found else (ASSUMED_MFU, ASSUMED)
+    path = "fsdp" if ranks > 1 else "plain"
+    same = [r for r in runs if r["path"] == path and bool(r.get("compile")) == compiled]
+    exact = [r for r in same if r.get("ac", "none") == mode]
+    if exact:
+        return exact[0]["mfu"], f"measured {on}, {path}, checkpointing {mode}"
+    base = [r for r in same if r.get("ac", "none") == "none"]
+    rate, source = (base[0]["mfu"], f"measured {on}, {path}") if base else (ASSUMED_MFU, ASSUMED)
+    if mode == "none":
+        return rate, source
+    return rate * RECOMPUTE[mode], f"{source}; x {RECOMPUTE[mode]} for {mode} checkpointing (assumed)"
+
+
+# -----------------------------------------------------------------------------
+# The plan
+
+def plan(args, model, L, ranks, cache_bytes=None, measured=None, gpu="H100"):
+    """prune.py --plan RANKS: (lines to print, summary: one JSON object). args: prune.parse_args()'s
+    namespace after prune.settle(args, L, ranks); model: the student on the meta device
+    (scale.fsdp.meta_model); measured: the bench's JSON (default: experiments/gpu_bench.json if
+    the repo keeps one; {} for the formula and the assumed MFU alone). The summary's micro_batch,
+    activation_checkpointing, gb_per_rank, fits (and min_ranks) are `gpu`'s; by_kind holds every
+    kind's, hours and gpu_hours each kind's wall and GPU hours on `ranks` (None where it does not
+    fit)."""
+    measured = load_bench() if measured is None else measured
+    compiled = bool(getattr(args, "compile", False))
+    train_flops, cache_flops, tokens = run_flops(args, model, L)
+    cfg = text_config(model)
+    params = sum(p.numel() for p in model.parameters())
+    lines, by_kind, hours, gpu_hours, mfus = [], {}, {}, {}, {}
+    for kind, (peak, card) in GPUS.items():
+        m, mode, parts = choose(args, model, ranks, card, measured)
+        total = sum(parts.values()) / GB
+        entry = {"micro_batch": m, "activation_checkpointing": mode, "gb_per_rank": round(total, 2),
+                 "fits": m is not None}
+        what = (f"{kind} ({card / GB:.0f} GB, {USABLE:.0%} usable):")
+        detail = ", ".join(f"{k} {v / GB:.3g}" for k, v in parts.items())
+        if m is None:
+            entry["min_ranks"] = min_ranks(args, model, ranks, card, measured)
+            lines.append(f"plan: memory per rank on {what} nothing fits {ranks} rank(s): {total:.1f} GB "
+                         f"at micro-batch 1 with full checkpointing ({detail} GB); fewest ranks "
+                         f"that fit: {entry['min_ranks']}")
+            hours[kind] = gpu_hours[kind] = None
+        else:
+            lines.append(f"plan: memory per rank on {what} micro-batch {m} x {args.seq_len} tokens, "
+                         f"activation checkpointing {mode}: {total:.1f} GB ({detail} GB)")
+            rate, source = mfu(measured, ranks, mode, compiled)
+            cache_rate, cache_source = mfu(measured, ranks, mode, compiled, "cache")
+            seconds = (train_flops / rate + cache_flops / cache_rate) / (ranks * peak)
+            hours[kind], gpu_hours[kind] = round(seconds / 3600, 3), round(seconds * ranks / 3600, 2)
+            mfus[kind] = round(rate, 3)
+            lines.append(f"plan: time on {ranks} x {kind}: {hours[kind]:.2f} h ({gpu_hours[kind]:.1f} "
+                         f"GPU-h): training at {rate:.0%} MFU ({source}), the cache at "
+                         f"{cache_rate:.0%} ({cache_source})")
+        by_kind[kind] = entry
+    act = {mode: activation_bytes(cfg, mode, 2 if ranks > 1 else 4, measured) for mode in MODES}
+    lines.insert(0, f"plan: training {train_flops:.3g} FLOP ({args.search_steps} search steps at "
+                    f"{L} layers, {args.steps - args.search_steps} at {args.keep}), teacher cache "
+                    f"{cache_flops:.3g} FLOP (its forward over the {tokens:,} tokens); activations "
+                    f"a token and layer: " + ", ".join(f"{mode} {v[0] / 1e3:.1f} KB ({v[1]})"
+                                                       for mode, v in act.items()))
+    summary = {"params": params, "tokens": tokens, "train_flops": train_flops,
+               "cache_flops": cache_flops, "ranks": ranks, "gpu": gpu, **by_kind[gpu],
+               "mfu": mfus, "hours": hours, "gpu_hours": gpu_hours, "by_kind": by_kind,
+               "activation_bytes": {mode: round(v[0]) for mode, v in act.items()},
+               "measured_on": measured.get("device")}
+    if cache_bytes is not None:
+        summary["cache_gb"] = round(cache_bytes / GB, 2)
+    return lines, summary

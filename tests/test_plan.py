@@ -1,0 +1,157 @@
+"""scale/plan.py, the numbers behind prune.py --plan: against counts written out by hand here (the
+parameters from the shapes, the FLOPs, the bytes), never against the code under test. The configs
+are written as dicts: nothing downloads."""
+import math
+
+import pytest
+import torch
+
+import prune
+from scale import plan as P
+from scale.fsdp import meta_model
+from surgery import decoder_layers
+
+LLAMA2_7B = dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=32, intermediate_size=11008, vocab_size=32000,
+                 tie_word_embeddings=False)
+QWEN3_32B = dict(model_type="qwen3", hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
+                 num_key_value_heads=8, head_dim=128, intermediate_size=25600, vocab_size=151936,
+                 tie_word_embeddings=False)
+SEQ, BATCH, T, T_M = 4096, 128, 1200, 120  # the paper's defaults: 1200 steps of 128 x 4096, 10% search
+H100, H200 = 0.9 * 80e9, 0.9 * 141e9  # usable bytes of a card
+
+
+def planned(tmp_path, config, keep, ranks):
+    from transformers import AutoConfig
+    cfg = dict(config)
+    AutoConfig.for_model(cfg.pop("model_type"), **cfg).save_pretrained(tmp_path)
+    args = prune.parse_args(["--model", str(tmp_path), "--keep", str(keep), "--plan", str(ranks)])
+    model, _ = meta_model(args)
+    L = len(decoder_layers(model))
+    prune.settle(args, L, ranks)
+    return args, model, L, P.plan(args, model, L, ranks, measured={})[1]
+
+
+def llama2_counts():
+    d, I, V, L = 4096, 11008, 32000, 32
+    layer = 4 * d * d + 3 * d * I  # q, k, v, o; gate, up, down
+    params = L * (layer + 2 * d) + 2 * V * d + d  # + 2 norms a layer, embedding, head, final norm
+    return d, I, V, L, layer, params
+
+
+def test_llama2_7b_on_8_ranks(tmp_path):
+    args, model, L, s = planned(tmp_path, LLAMA2_7B, 13, 8)
+    d, I, V, L, layer, params = llama2_counts()
+    assert s["params"] == params == 6_738_415_616
+    tokens = T * BATCH * SEQ
+    assert s["tokens"] == tokens == 629_145_600
+
+    def train_per_token(n):  # 6 x (n layers' matmuls + the head) + 12 n s a, a = 32 x 128 = d
+        return 6 * (n * layer + V * d) + 12 * n * SEQ * d
+    search, after = T_M * BATCH * SEQ, (T - T_M) * BATCH * SEQ
+    train = search * train_per_token(32) + after * train_per_token(13)
+    cache = tokens * (2 * (32 * layer + V * d) + 4 * 32 * SEQ * d)
+    assert s["train_flops"] == pytest.approx(train, rel=1e-12)
+    assert s["cache_flops"] == pytest.approx(cache, rel=1e-12)
+    assert train == pytest.approx(1.3765e19, rel=1e-4) and cache == pytest.approx(9.6647e18, rel=1e-4)
+
+    def total(m):  # bytes a rank at micro-batch m, no checkpointing (bf16 residual under FSDP2)
+        act = 2 * (4 * d + 2 * d) + 4 * d + 4 * d + 4 * 32 + 8 * I  # 170,112 B a token and layer
+        return (16 * params / 8 + m * SEQ * 32 * act + 10 * (layer + 2 * d) + 6 * 8 * m * SEQ * d
+                + 16 * 256 * 4000 + m * SEQ * (8 + 12 * 10 + 4))
+    assert total(2) <= H100 < total(4)  # the micro-batch divides 128 / 8 = 16: 2 fits, 4 does not
+    assert (s["micro_batch"], s["activation_checkpointing"], s["fits"]) == (2, "none", True)
+    assert s["gb_per_rank"] == pytest.approx(total(2) / 1e9, abs=0.006)
+    assert s["by_kind"]["H200"]["micro_batch"] == 4 and total(4) <= H200 < total(8)
+    # at the assumed 34% MFU of 989 TFLOP/s a GPU, on 8 of them
+    assert s["hours"]["H100"] == pytest.approx((train + cache) / 0.34 / (8 * 989e12) / 3600, abs=1e-3)
+    assert s["hours"]["A100"] == pytest.approx((train + cache) / 0.34 / (8 * 312e12) / 3600, abs=1e-3)
+    assert s["gpu_hours"]["H100"] == pytest.approx(8 * s["hours"]["H100"], abs=0.01)
+
+
+def test_qwen3_32b_on_8_ranks(tmp_path):
+    args, model, L, s = planned(tmp_path, QWEN3_32B, 48, 8)
+    d, I, V, H, hd, kv = 5120, 25600, 151936, 64, 128, 8
+    q, k = H * hd, kv * hd  # 8192, 1024: the attention is wider than the hidden size
+    layer = d * q + 2 * d * k + q * d + 3 * d * I
+    layer_params = layer + 2 * d + 2 * hd  # + the two norms and q/k's norms
+    params = 64 * layer_params + 2 * V * d + d
+    assert s["params"] == params == 32_762_123_264
+    tokens = T * BATCH * SEQ
+    search, after = T_M * BATCH * SEQ, (T - T_M) * BATCH * SEQ
+
+    def train_per_token(n):
+        return 6 * (n * layer + V * d) + 12 * n * SEQ * q
+    assert s["train_flops"] == pytest.approx(search * train_per_token(64) + after * train_per_token(48),
+                                             rel=1e-12)
+    assert s["cache_flops"] == pytest.approx(tokens * (2 * (64 * layer + V * d) + 4 * 64 * SEQ * q),
+                                             rel=1e-12)
+
+    none = 2 * (4 * d + 2 * d) + 4 * q + 4 * k + 4 * H + 8 * I
+    selective = 2 * d + 3 * q + 4 * H + 2 * k + 2 * d + 2 * I
+    full = 2 * d
+
+    def total(ranks, m, act, recompute):
+        return (16 * params / ranks + m * SEQ * (64 * act + recompute) + 10 * layer_params
+                + 6 * ranks * m * SEQ * d + 16 * 256 * math.ceil(V / ranks) + m * SEQ * 132)
+    # 8 H100s: not even micro-batch 1 with full checkpointing fits; 16 do
+    assert total(8, 1, full, none) > H100
+    assert (s["fits"], s["micro_batch"], s["min_ranks"]) == (False, None, 16)
+    assert s["gb_per_rank"] == pytest.approx(total(8, 1, full, none) / 1e9, abs=0.006)
+    assert s["hours"]["H100"] is None
+    # 8 H200s: no checkpointing does not fit, selective with 2 sequences does, 4 does not
+    assert total(8, 1, none, 0) > H200 and total(8, 2, selective, none) <= H200 < total(8, 4, selective, none)
+    h200 = s["by_kind"]["H200"]
+    assert (h200["micro_batch"], h200["activation_checkpointing"]) == (2, "selective")
+    assert h200["gb_per_rank"] == pytest.approx(total(8, 2, selective, none) / 1e9, abs=0.006)
+
+
+def test_nothing_fits_one_gpu(tmp_path):
+    """Llama-2-7B on one H100: 16 B a parameter is 108 GB alone; 2 ranks fit with full checkpointing."""
+    args, model, L, s = planned(tmp_path, LLAMA2_7B, 13, 1)
+    d, I, V, L, layer, params = llama2_counts()
+    assert 16 * params > H100
+    assert (s["fits"], s["min_ranks"], s["micro_batch"]) == (False, 2, None)
+    # one process: the plain logits path, fp32 residual under autocast, bf16 weight copies
+    one_layer = 2 * (4 * d + 4 * d) + 10 * d + 4 * d + 4 * d + 4 * 32 + 8 * I
+    one = (16 * params + SEQ * (32 * 4 * d + one_layer) + 2 * (32 * layer + V * d) + 16 * SEQ * V
+           + SEQ * 132)
+    assert s["gb_per_rank"] == pytest.approx(one / 1e9, abs=0.006)
+
+
+def test_the_bench_measurement_scales_the_formula_and_sets_the_mfu(tmp_path):
+    args, model, L, _ = planned(tmp_path, LLAMA2_7B, 13, 8)
+    bench = {"device": "NVIDIA H100 80GB HBM3",
+             "activations": {"none": {"measured": 340224, "formula": 170112}},
+             "runs": [{"shape": "7b8", "path": "fsdp", "compile": False, "ac": "none", "mfu": 0.5},
+                      {"shape": "7b8", "path": "teacher", "mfu": 0.6}]}
+    lines, s = P.plan(args, model, L, 8, measured=bench)
+    assert s["activation_bytes"]["none"] == 2 * 170112
+    assert s["micro_batch"] == 1  # twice the activations: 2 sequences no longer fit
+    train, cache = s["train_flops"], s["cache_flops"]
+    assert s["hours"]["H100"] == pytest.approx((train / 0.5 + cache / 0.6) / (8 * 989e12) / 3600,
+                                               abs=1e-3)
+    assert any("measured on NVIDIA H100 80GB HBM3" in line for line in lines)
+
+
+def test_routed_experts_count_at_their_share():
+    """A MoE layer's 3-D expert weights count top-k / experts of their size (a token visits top-k)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model("qwen3_moe", vocab_size=1000, hidden_size=64, intermediate_size=128,
+                               moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, num_experts=8,
+                               num_experts_per_tok=2, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    attn = 64 * 64 + 2 * 64 * 32 + 64 * 64  # q, k, v, o
+    experts = 8 * 3 * 64 * 32 * 2 / 8  # gate_up and down of 8 experts, 2 visited
+    router = 8 * 64
+    per_token = 6 * (2 * (attn + experts + router) + 1000 * 64) + 12 * 2 * 16 * 64
+    assert P.flops_per_token(model, 16) == pytest.approx(per_token)
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                                        ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                                        ("NVIDIA GeForce RTX 4090", None), (None, None)])
+def test_peak_by_device_name(name, peak):
+    assert P.peak_flops(name) == peak
