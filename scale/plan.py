@@ -245,7 +245,8 @@ def mfu(measured, ranks, mode, compiled=False, what="train"):
 
 def plan(args, model, L, ranks, cache_bytes=None, measured=None, gpu="H100"):
     """prune.py --plan RANKS: (lines to print, summary: one JSON object). args: prune.parse_args()'s
-    namespace after prune.settle(args, L, ranks); model: the student on the meta device
+    namespace once prune.py has resolved it for L layers on RANKS (T, T_M, the logit chunk: its
+    resolve_args); model: the student on the meta device
     (scale.fsdp.meta_model); measured: the bench's JSON (default: experiments/gpu_bench.json if
     the repo keeps one; {} for the formula and the assumed MFU alone). The summary's micro_batch,
     activation_checkpointing, gb_per_rank, fits (and min_ranks) are `gpu`'s; by_kind holds every

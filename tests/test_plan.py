@@ -19,6 +19,7 @@ QWEN3_32B = dict(model_type="qwen3", hidden_size=5120, num_hidden_layers=64, num
                  tie_word_embeddings=False)
 SEQ, BATCH, T, T_M = 4096, 128, 1200, 120  # the paper's defaults: 1200 steps of 128 x 4096, 10% search
 H100, H200 = 0.9 * 80e9, 0.9 * 141e9  # usable bytes of a card
+resolve = getattr(prune, "resolve_args", None) or prune.settle  # T, T_M, the logit chunk for L, ranks
 
 
 def planned(tmp_path, config, keep, ranks):
@@ -28,7 +29,7 @@ def planned(tmp_path, config, keep, ranks):
     args = prune.parse_args(["--model", str(tmp_path), "--keep", str(keep), "--plan", str(ranks)])
     model, _ = meta_model(args)
     L = len(decoder_layers(model))
-    prune.settle(args, L, ranks)
+    resolve(args, L, ranks)
     return args, model, L, P.plan(args, model, L, ranks, measured={})[1]
 
 

@@ -1,0 +1,46 @@
+"""experiments/gpu_bench.sh, the GPU lease's one command, run whole at tiny sizes on the CPU (every
+shape tiny, fp32, FSDP2 over one gloo rank, no compile): each path's record, the profile's keys, the
+activation probe beside scale/plan.py's formula, and the JSON as stdout's last line."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import gpu_bench  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_lease_command_at_tiny_sizes(tmp_path):
+    env = {**os.environ, "TINY": "1", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", "experiments/gpu_bench.sh", str(tmp_path / "out")], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = json.loads(done.stdout.strip().splitlines()[-1])
+    assert last == json.loads((tmp_path / "out" / "gpu_bench.json").read_text())
+    runs = {(r["path"], r["shape"], r.get("compile", 0), r.get("ac", "none")): r for r in last["runs"]}
+    eager = [(path, shape, 0, "none") for shape in gpu_bench.SHAPES for path in ("plain", "fused", "fsdp")]
+    for key in eager + [("fsdp", "7b8", 0, "full")]:
+        run = runs[key]
+        assert "error" not in run, (key, run)
+        assert run["tok_s"] > 0 and run["flops_per_token"] > 0 and run["device"] == "cpu"
+        assert run["mfu"] is None and run["peak_gb"] is None  # a CPU has no peak in the table
+        assert run["profile"]["host_syncs"] == 0 and run["profile"]["span_ms"] > 0
+    for shape in gpu_bench.SHAPES:
+        assert runs[("teacher", shape, 0, "none")]["tok_s"] > 0
+    assert all(r["skipped"] for key, r in runs.items() if key[2])  # compiled: on a GPU only
+    assert last["activations"]["none"]["formula"] > last["activations"]["full"]["formula"] > 0
+    assert "gpu_bench: 2/3 FSDP2 over one GPU" in done.stdout
+
+
+def test_busy_time_is_the_union_of_the_kernels():
+    assert gpu_bench.busy([(0, 2), (1, 3), (5, 6), (5.5, 5.8)]) == 4
+
+
+def test_a_run_spec():
+    assert gpu_bench.run_spec("fsdp/7b8/1/full") == {"path": "fsdp", "shape": "7b8", "compile": 1,
+                                                     "ac": "full"}
+    assert gpu_bench.run_spec("plain/1b") == {"path": "plain", "shape": "1b", "compile": 0, "ac": "none"}
+    assert gpu_bench.run_spec("teacher/135m") == {"path": "teacher", "shape": "135m"}
