@@ -39,9 +39,10 @@ activation checkpointing is not counted. The peak by device name (scale.plan.pea
 plan: the memory one micro-batch's forward leaves allocated (torch.cuda.memory_allocated after it,
 less before it) at two depths of one shape; their difference over (tokens x the layers between them)
 is the layers' own, free of the embedding, head, loss and weights, which both depths hold alike.
---profile: one more step under torch.profiler: the share of the step's span the GPU is busy (kernels,
-copies) and the host syncs (the CUDA runtime's blocking calls, SYNC_CALLS, by name; device-to-host
-copies beside them), for docs/scale.md's "where a step's time goes".
+--profile: one more step of each eager run without checkpointing, under torch.profiler: the share of
+the step's span the GPU is busy (kernels, copies) and the host syncs (the CUDA runtime's blocking
+calls, SYNC_CALLS, by name; device-to-host copies beside them), for docs/scale.md's "where a step's
+time goes".
 """
 import argparse
 import gc
@@ -87,18 +88,22 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchr
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="folder: records.jsonl gets one line a run")
     p.add_argument("--runs", help="PATH/SHAPE[/COMPILE[/AC]],...: path plain, fused, teacher (fsdp "
                    "under torchrun), shape of " + ", ".join(SHAPES) + ", COMPILE 0 or 1 (per-layer "
                    "torch.compile, scale/compile.py), AC none, selective or full (default: "
                    "plain, fused and teacher at every shape, eager)")
-    p.add_argument("--activations", help="checkpointing modes whose bytes a token and layer to measure")
-    p.add_argument("--profile", action="store_true", help="profile one more step of each training run")
+    p.add_argument("--activations", help="checkpointing modes (none,selective,full) whose bytes a "
+                   "token and layer to measure")
+    p.add_argument("--profile", action="store_true", help="profile one more step of each eager "
+                   "training run without checkpointing")
     p.add_argument("--steps", type=int, help="timed steps (default 5; --tiny 2)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default 2, 3 compiled; --tiny 1)")
     p.add_argument("--deadline", type=float, help="epoch seconds: start no run after it")
-    p.add_argument("--tiny", action="store_true", help="every shape tiny, CPU fp32, no compile: the tests")
+    p.add_argument("--tiny", action="store_true",
+                   help="every shape tiny, CPU fp32, no compile: the tests")
     p.add_argument("--collect", metavar="DIR", help="merge DIR's records into DIR/gpu_bench.json "
                    "(after the runs, with --out)")
     a = p.parse_args(argv)
@@ -134,6 +139,12 @@ def random_model(cfg, device, dtype):
         return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
 
 
+def flops(cfg, seq, train=True):
+    """scale/plan.py's FLOPs a token, counted on the config's model on the meta device (whatever
+    wrapping compile or FSDP2 put around the one that ran)."""
+    return flops_per_token(random_model(cfg, "meta", torch.float32), seq, train=train)
+
+
 def student(cfg, device, path, compiled, ac):
     """The student as prune.build_student makes it (fp32 master weights, no KV cache, FSDP2 under
     torchrun, parallelize's one-process form for the fused head), checkpointing and compile first."""
@@ -157,7 +168,8 @@ def checkpointing(model, mode):
     if hasattr(scale.fsdp, "apply_activation_checkpointing"):
         return scale.fsdp.apply_activation_checkpointing(model, mode)
     if mode != "full":
-        raise NotImplementedError(f"'{mode}' checkpointing: scale.fsdp has no apply_activation_checkpointing")
+        raise NotImplementedError(f"'{mode}' checkpointing: scale.fsdp has no "
+                                  f"apply_activation_checkpointing")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
@@ -170,7 +182,8 @@ def losses_for(path, vocab, device):
         return plain, autocast
     from scale.fused_loss import FusedLoss
     takes = "autocast" in inspect.signature(FusedLoss).parameters
-    return FusedLoss(vocab, CHUNK, reference=plain, **({"autocast": autocast} if takes else {})), takes and autocast
+    fused = FusedLoss(vocab, CHUNK, reference=plain, **({"autocast": autocast} if takes else {}))
+    return fused, takes and autocast
 
 
 def cache_batch(cfg, seq, micro, device, seed):
@@ -178,7 +191,8 @@ def cache_batch(cfg, seq, micro, device, seed):
     log-probs fp32 (sorted, 0.9 of the mass), the teacher's entropy fp32."""
     g = torch.Generator().manual_seed(seed)
     V = cfg.vocab_size
-    lp = torch.log_softmax(2 * torch.randn(micro, seq, TOPK, generator=g), -1).sort(-1, descending=True)
+    lp = torch.log_softmax(2 * torch.randn(micro, seq, TOPK, generator=g), -1)
+    lp = lp.sort(-1, descending=True)
     return prune.to_device({"input_ids": torch.randint(V, (micro, seq), generator=g),
                             "topk_ids": torch.randint(V, (micro, seq, TOPK), generator=g),
                             "topk_logprobs": lp.values + math.log(0.9),
@@ -190,7 +204,8 @@ def cache_batch(cfg, seq, micro, device, seed):
 
 def train_step(model, opt, losses, batches, grad_clip):
     """One optimizer step as prune.py's loop makes it: each micro-batch's AKD loss at weight
-    1 / micro-batches, its backward, then the gradient clip and AdamW. The loss summed on the device."""
+    1 / micro-batches, its backward, then the gradient clip and AdamW. The loss summed on the
+    device."""
     total = torch.zeros((), device=batches[0]["input_ids"].device)
     for batch in batches:
         (loss,) = losses(model, {**batch, "weight": 1 / len(batches)}, ["akd"])
@@ -280,8 +295,8 @@ def train_run(args, shape, path, compiled, ac, device):
     tokens = N_MICRO * micro * seq
     record = {"tokens_per_step": tokens, "seconds_per_step": round(seconds, 4),
               "tok_s": round(tokens / seconds), "peak_gb": peak_memory(device), "autocast": autocast,
-              "flops_per_token": flops_per_token(model, seq)}
-    if args.profile:
+              "flops_per_token": flops(cfg, seq)}
+    if args.profile and not compiled and ac == "none":
         record["profile"] = profile(step, device)
     return record
 
@@ -296,7 +311,7 @@ def teacher_run(args, shape, device):
     return {"tokens_per_step": tokens, "seconds_per_step": round(seconds, 4),
             "tok_s": round(tokens / seconds), "peak_gb": peak_memory(device),
             "dtype": str(teacher_dtype(device)).removeprefix("torch."),
-            "flops_per_token": flops_per_token(model, seq, train=False)}
+            "flops_per_token": flops(cfg, seq, train=False)}
 
 
 def saved_bytes(args, shape, depth, mode, path, device):
@@ -324,7 +339,8 @@ def activations_run(args, mode, path, device):
     saved = [saved_bytes(args, PROBE_SHAPE, n, mode, path, device) for n in PROBE_DEPTHS]
     measured = None if saved[0] is None else (saved[1] - saved[0]) / (
         micro * seq * (PROBE_DEPTHS[1] - PROBE_DEPTHS[0]))
-    formula = activation_formula(config(PROBE_SHAPE, args.shape_table), mode, 2 if path == "fsdp" else 4)
+    cfg = config(PROBE_SHAPE, args.shape_table)
+    formula = activation_formula(cfg, mode, 2 if path == "fsdp" else 4)
     return {"shape": PROBE_SHAPE, "depths": list(PROBE_DEPTHS), "saved_bytes": saved,
             "measured": measured and round(measured), "formula": formula}
 
@@ -390,13 +406,13 @@ def collect(folder):
     import transformers
     lines = [json.loads(line) for line in (Path(folder) / "records.jsonl").read_text().splitlines()]
     runs = [r for r in lines if "activations" not in r]
-    acts = {r["activations"]: {k: r.get(k) for k in ("shape", "depths", "measured", "formula", "error")}
-            for r in lines if "activations" in r}
+    keys = ("shape", "depths", "measured", "formula", "error")
+    acts = {r["activations"]: {k: r.get(k) for k in keys} for r in lines if "activations" in r}
     devices = sorted({r["device"] for r in lines if "device" in r})
 
     def mfu(shape, path, compiled=0):
         found = [r.get("mfu") for r in runs if (r["shape"], r["path"], r.get("compile", 0),
-                                                r.get("ac", "none")) == (shape, path, compiled, "none")]
+                 r.get("ac", "none")) == (shape, path, compiled, "none")]
         return found[0] if found else None
     plain, fsdp = mfu("1b", "plain"), mfu("1b", "fsdp")
     peak = peak_flops(devices[0]) if devices else None

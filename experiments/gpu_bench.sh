@@ -5,7 +5,7 @@
 # last line. In order of what the goals need first:
 #   1. one process, eager: the plain head, the fused head, the teacher's forward; each step profiled
 #   2. FSDP2 over one GPU (torchrun, a free port): the activation bytes a token and layer for each
-#      checkpointing mode, eager (profiled), compiled, checkpointed
+#      checkpointing mode, eager (profiled), compiled, checkpointed at 7b8
 #   3. one process, compiled: the plain and the fused head
 #
 #   bash experiments/gpu_bench.sh OUT [BUDGET_SECONDS]   # PYTHON=...: the interpreter; TINY=1: CPU size

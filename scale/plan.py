@@ -165,7 +165,8 @@ def activation_bytes(cfg, mode, residual_bytes, measured):
     found = measured.get("activations", {}).get(mode)
     if not found:
         return formula, "formula"
-    return formula * found["measured"] / found["formula"], f"formula x {found['measured'] / found['formula']:.3f} measured"
+    scale = found["measured"] / found["formula"]
+    return formula * scale, f"formula x {scale:.3f} measured"
 
 
 def memory(args, model, ranks, micro_batch, mode, measured=None):
@@ -219,16 +220,17 @@ def min_ranks(args, model, ranks, card_bytes, measured=None):
 # -----------------------------------------------------------------------------
 # Time
 
-def mfu(measured, ranks, mode, compiled=False, what="train"):
+def mfu(measured, ranks, mode, compiled=False, what="train", logit_chunk=0):
     """(MFU, its source) for a run on `ranks` GPUs with checkpointing `mode`: the bench's record of
-    that path (FSDP2 above one rank, the plain head in one process; the teacher's forward for the
-    cache) at BENCH_SHAPE, else ASSUMED_MFU; checkpointing's slowdown measured, else RECOMPUTE's."""
+    that path (FSDP2 above one rank; in one process the plain head, or the fused one with a logit
+    chunk; the teacher's forward for the cache) at BENCH_SHAPE, else ASSUMED_MFU; checkpointing's
+    slowdown measured, else RECOMPUTE's."""
     runs = [r for r in measured.get("runs", []) if r.get("shape") == BENCH_SHAPE and r.get("mfu")]
     on = f"on {measured.get('device')}"
     if what == "cache":
         found = [r for r in runs if r["path"] == "teacher"]
         return (found[0]["mfu"], f"measured {on}") if found else (ASSUMED_MFU, ASSUMED)
-    path = "fsdp" if ranks > 1 else "plain"
+    path = "fsdp" if ranks > 1 else "fused" if logit_chunk else "plain"
     same = [r for r in runs if r["path"] == path and bool(r.get("compile")) == compiled]
     exact = [r for r in same if r.get("ac", "none") == mode]
     if exact:
@@ -243,57 +245,62 @@ def mfu(measured, ranks, mode, compiled=False, what="train"):
 # -----------------------------------------------------------------------------
 # The plan
 
+def on_card(args, model, ranks, kind, flops, measured):
+    """What `ranks` GPUs of `kind` make of the run: (summary entry, its lines). flops: (training,
+    cache)."""
+    peak, card = GPUS[kind]
+    m, mode, parts = choose(args, model, ranks, card, measured)
+    total = sum(parts.values()) / GB
+    entry = {"micro_batch": m, "activation_checkpointing": mode, "gb_per_rank": round(total, 2),
+             "fits": m is not None, "mfu": None, "hours": None, "gpu_hours": None}
+    where = f"plan: memory per rank on {kind} ({card / GB:.0f} GB, {USABLE:.0%} usable):"
+    detail = ", ".join(f"{k} {v / GB:.3g}" for k, v in parts.items())
+    if m is None:
+        entry["min_ranks"] = min_ranks(args, model, ranks, card, measured)
+        return entry, [f"{where} nothing fits {ranks} rank(s): {total:.1f} GB at micro-batch 1 with "
+                       f"full checkpointing ({detail} GB); fewest ranks that fit: "
+                       f"{entry['min_ranks']}"]
+    compiled = bool(getattr(args, "compile", False))
+    rate, source = mfu(measured, ranks, mode, compiled, logit_chunk=args.logit_chunk)
+    cache_rate, cache_source = mfu(measured, ranks, mode, compiled, "cache")
+    seconds = (flops[0] / rate + flops[1] / cache_rate) / (ranks * peak)
+    entry.update(mfu=round(rate, 3), hours=round(seconds / 3600, 3),
+                 gpu_hours=round(seconds * ranks / 3600, 2))
+    return entry, [f"{where} micro-batch {m} x {args.seq_len} tokens, activation checkpointing "
+                   f"{mode}: {total:.1f} GB ({detail} GB)",
+                   f"plan: time on {ranks} x {kind}: {entry['hours']:.2f} h "
+                   f"({entry['gpu_hours']:.1f} GPU-h): training at {rate:.0%} MFU ({source}), "
+                   f"the cache at {cache_rate:.0%} ({cache_source})"]
+
+
 def plan(args, model, L, ranks, cache_bytes=None, measured=None, gpu="H100"):
     """prune.py --plan RANKS: (lines to print, summary: one JSON object). args: prune.parse_args()'s
     namespace once prune.py has resolved it for L layers on RANKS (T, T_M, the logit chunk: its
-    resolve_args); model: the student on the meta device
-    (scale.fsdp.meta_model); measured: the bench's JSON (default: experiments/gpu_bench.json if
-    the repo keeps one; {} for the formula and the assumed MFU alone). The summary's micro_batch,
-    activation_checkpointing, gb_per_rank, fits (and min_ranks) are `gpu`'s; by_kind holds every
-    kind's, hours and gpu_hours each kind's wall and GPU hours on `ranks` (None where it does not
-    fit)."""
+    resolve_args); model: the student on the meta device (scale.fsdp.meta_model); measured: the
+    bench's JSON (default: experiments/gpu_bench.json if the repo keeps one; {} for the formula and
+    the assumed MFU alone). The summary's micro_batch, activation_checkpointing, gb_per_rank, fits
+    (and min_ranks) are `gpu`'s; by_kind holds every kind's; mfu, hours and gpu_hours each kind's
+    on `ranks` (None where the run does not fit)."""
     measured = load_bench() if measured is None else measured
-    compiled = bool(getattr(args, "compile", False))
     train_flops, cache_flops, tokens = run_flops(args, model, L)
-    cfg = text_config(model)
-    params = sum(p.numel() for p in model.parameters())
-    lines, by_kind, hours, gpu_hours, mfus = [], {}, {}, {}, {}
-    for kind, (peak, card) in GPUS.items():
-        m, mode, parts = choose(args, model, ranks, card, measured)
-        total = sum(parts.values()) / GB
-        entry = {"micro_batch": m, "activation_checkpointing": mode, "gb_per_rank": round(total, 2),
-                 "fits": m is not None}
-        what = (f"{kind} ({card / GB:.0f} GB, {USABLE:.0%} usable):")
-        detail = ", ".join(f"{k} {v / GB:.3g}" for k, v in parts.items())
-        if m is None:
-            entry["min_ranks"] = min_ranks(args, model, ranks, card, measured)
-            lines.append(f"plan: memory per rank on {what} nothing fits {ranks} rank(s): {total:.1f} GB "
-                         f"at micro-batch 1 with full checkpointing ({detail} GB); fewest ranks "
-                         f"that fit: {entry['min_ranks']}")
-            hours[kind] = gpu_hours[kind] = None
-        else:
-            lines.append(f"plan: memory per rank on {what} micro-batch {m} x {args.seq_len} tokens, "
-                         f"activation checkpointing {mode}: {total:.1f} GB ({detail} GB)")
-            rate, source = mfu(measured, ranks, mode, compiled)
-            cache_rate, cache_source = mfu(measured, ranks, mode, compiled, "cache")
-            seconds = (train_flops / rate + cache_flops / cache_rate) / (ranks * peak)
-            hours[kind], gpu_hours[kind] = round(seconds / 3600, 3), round(seconds * ranks / 3600, 2)
-            mfus[kind] = round(rate, 3)
-            lines.append(f"plan: time on {ranks} x {kind}: {hours[kind]:.2f} h ({gpu_hours[kind]:.1f} "
-                         f"GPU-h): training at {rate:.0%} MFU ({source}), the cache at "
-                         f"{cache_rate:.0%} ({cache_source})")
-        by_kind[kind] = entry
-    act = {mode: activation_bytes(cfg, mode, 2 if ranks > 1 else 4, measured) for mode in MODES}
-    lines.insert(0, f"plan: training {train_flops:.3g} FLOP ({args.search_steps} search steps at "
-                    f"{L} layers, {args.steps - args.search_steps} at {args.keep}), teacher cache "
-                    f"{cache_flops:.3g} FLOP (its forward over the {tokens:,} tokens); activations "
-                    f"a token and layer: " + ", ".join(f"{mode} {v[0] / 1e3:.1f} KB ({v[1]})"
-                                                       for mode, v in act.items()))
-    summary = {"params": params, "tokens": tokens, "train_flops": train_flops,
-               "cache_flops": cache_flops, "ranks": ranks, "gpu": gpu, **by_kind[gpu],
-               "mfu": mfus, "hours": hours, "gpu_hours": gpu_hours, "by_kind": by_kind,
-               "activation_bytes": {mode: round(v[0]) for mode, v in act.items()},
-               "measured_on": measured.get("device")}
+    act = {mode: activation_bytes(text_config(model), mode, 2 if ranks > 1 else 4, measured)
+           for mode in MODES}
+    lines = [f"plan: training {train_flops:.3g} FLOP ({args.search_steps} search steps at {L} "
+             f"layers, {args.steps - args.search_steps} at {args.keep}), teacher cache "
+             f"{cache_flops:.3g} FLOP (its forward over the {tokens:,} tokens); activations a token "
+             f"and layer: " + ", ".join(f"{mode} {b / 1e3:.1f} KB ({source})"
+                                        for mode, (b, source) in act.items())]
+    by_kind = {}
+    for kind in GPUS:
+        by_kind[kind], more = on_card(args, model, ranks, kind, (train_flops, cache_flops), measured)
+        lines += more
+    per_kind = ("mfu", "hours", "gpu_hours")  # keyed by kind; the rest is `gpu`'s
+    summary = {"params": sum(p.numel() for p in model.parameters()), "tokens": tokens,
+               "train_flops": train_flops, "cache_flops": cache_flops, "ranks": ranks, "gpu": gpu,
+               **{k: v for k, v in by_kind[gpu].items() if k not in per_kind},
+               **{k: {kind: e[k] for kind, e in by_kind.items()} for k in per_kind},
+               "by_kind": by_kind, "measured_on": measured.get("device"),
+               "activation_bytes": {mode: round(b) for mode, (b, _) in act.items()}}
     if cache_bytes is not None:
         summary["cache_gb"] = round(cache_bytes / GB, 2)
     return lines, summary

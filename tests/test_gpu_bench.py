@@ -20,14 +20,17 @@ def test_the_lease_command_at_tiny_sizes(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     last = json.loads(done.stdout.strip().splitlines()[-1])
     assert last == json.loads((tmp_path / "out" / "gpu_bench.json").read_text())
-    runs = {(r["path"], r["shape"], r.get("compile", 0), r.get("ac", "none")): r for r in last["runs"]}
-    eager = [(path, shape, 0, "none") for shape in gpu_bench.SHAPES for path in ("plain", "fused", "fsdp")]
+    runs = {(r["path"], r["shape"], r.get("compile", 0), r.get("ac", "none")): r
+            for r in last["runs"]}
+    eager = [(path, shape, 0, "none") for shape in gpu_bench.SHAPES
+             for path in ("plain", "fused", "fsdp")]
     for key in eager + [("fsdp", "7b8", 0, "full")]:
         run = runs[key]
         assert "error" not in run, (key, run)
         assert run["tok_s"] > 0 and run["flops_per_token"] > 0 and run["device"] == "cpu"
         assert run["mfu"] is None and run["peak_gb"] is None  # a CPU has no peak in the table
-        assert run["profile"]["host_syncs"] == 0 and run["profile"]["span_ms"] > 0
+    for key in eager:  # profiled: eager, no checkpointing
+        assert runs[key]["profile"]["host_syncs"] == 0 and runs[key]["profile"]["span_ms"] > 0
     for shape in gpu_bench.SHAPES:
         assert runs[("teacher", shape, 0, "none")]["tok_s"] > 0
     assert all(r["skipped"] for key, r in runs.items() if key[2])  # compiled: on a GPU only
@@ -42,5 +45,6 @@ def test_busy_time_is_the_union_of_the_kernels():
 def test_a_run_spec():
     assert gpu_bench.run_spec("fsdp/7b8/1/full") == {"path": "fsdp", "shape": "7b8", "compile": 1,
                                                      "ac": "full"}
-    assert gpu_bench.run_spec("plain/1b") == {"path": "plain", "shape": "1b", "compile": 0, "ac": "none"}
+    assert gpu_bench.run_spec("plain/1b") == {"path": "plain", "shape": "1b", "compile": 0,
+                                              "ac": "none"}
     assert gpu_bench.run_spec("teacher/135m") == {"path": "teacher", "shape": "135m"}

@@ -17,7 +17,7 @@ LLAMA2_7B = dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num
 QWEN3_32B = dict(model_type="qwen3", hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
                  num_key_value_heads=8, head_dim=128, intermediate_size=25600, vocab_size=151936,
                  tie_word_embeddings=False)
-SEQ, BATCH, T, T_M = 4096, 128, 1200, 120  # the paper's defaults: 1200 steps of 128 x 4096, 10% search
+SEQ, BATCH, T, T_M = 4096, 128, 1200, 120  # the paper's: 1200 steps of 128 x 4096, a 10% search
 H100, H200 = 0.9 * 80e9, 0.9 * 141e9  # usable bytes of a card
 resolve = getattr(prune, "resolve_args", None) or prune.settle  # T, T_M, the logit chunk for L, ranks
 
@@ -83,8 +83,8 @@ def test_qwen3_32b_on_8_ranks(tmp_path):
 
     def train_per_token(n):
         return 6 * (n * layer + V * d) + 12 * n * SEQ * q
-    assert s["train_flops"] == pytest.approx(search * train_per_token(64) + after * train_per_token(48),
-                                             rel=1e-12)
+    train = search * train_per_token(64) + after * train_per_token(48)
+    assert s["train_flops"] == pytest.approx(train, rel=1e-12)
     assert s["cache_flops"] == pytest.approx(tokens * (2 * (64 * layer + V * d) + 4 * 64 * SEQ * q),
                                              rel=1e-12)
 
@@ -101,14 +101,15 @@ def test_qwen3_32b_on_8_ranks(tmp_path):
     assert s["gb_per_rank"] == pytest.approx(total(8, 1, full, none) / 1e9, abs=0.006)
     assert s["hours"]["H100"] is None
     # 8 H200s: no checkpointing does not fit, selective with 2 sequences does, 4 does not
-    assert total(8, 1, none, 0) > H200 and total(8, 2, selective, none) <= H200 < total(8, 4, selective, none)
+    assert total(8, 1, none, 0) > H200
+    assert total(8, 2, selective, none) <= H200 < total(8, 4, selective, none)
     h200 = s["by_kind"]["H200"]
     assert (h200["micro_batch"], h200["activation_checkpointing"]) == (2, "selective")
     assert h200["gb_per_rank"] == pytest.approx(total(8, 2, selective, none) / 1e9, abs=0.006)
 
 
 def test_nothing_fits_one_gpu(tmp_path):
-    """Llama-2-7B on one H100: 16 B a parameter is 108 GB alone; 2 ranks fit with full checkpointing."""
+    """Llama-2-7B on one H100: 16 B a parameter is 108 GB alone; 2 ranks fit, checkpointed."""
     args, model, L, s = planned(tmp_path, LLAMA2_7B, 13, 1)
     d, I, V, L, layer, params = llama2_counts()
     assert 16 * params > H100
@@ -151,8 +152,8 @@ def test_routed_experts_count_at_their_share():
     assert P.flops_per_token(model, 16) == pytest.approx(per_token)
 
 
-@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
-                                        ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
-                                        ("NVIDIA GeForce RTX 4090", None), (None, None)])
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H200", 989e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GeForce RTX 4090", None), (None, None)])
 def test_peak_by_device_name(name, peak):
     assert P.peak_flops(name) == peak
