@@ -47,33 +47,50 @@ class VocabShard:
             torch.distributed.all_reduce(x, torch.distributed.ReduceOp.MAX, group=self.group)
         return x
 
-    def sum(self, x):
-        if self.group is not None:
-            torch.distributed.all_reduce(x, group=self.group)
-        return x
+    def gather_async(self, x):
+        """Every rank's x, stacked (world, *x.shape), its collective started and not waited for: the
+        returned function waits and gives it (a GPU computes on meanwhile)."""
+        if self.group is None:
+            return lambda: x[None]
+        out = x.new_empty((self.world * x.shape[0], *x.shape[1:]))
+        work = torch.distributed.all_gather_into_tensor(out, x.contiguous(), group=self.group,
+                                                        async_op=True)
+        return lambda: (work.wait(), out.view(self.world, *x.shape))[1]
 
-    def gather_tokens(self, *tensors):
+    def gather_tokens(self, *tensors, n_max=None):
         """Every rank's tokens (rows of each tensor), rank by rank, each rank's padded with zeros to
-        the largest count. Remembers where this rank's are (`own`) and the padded count, which
-        scatter_tokens reads: a scatter undoes the gather before it. (A DTensor's local rows
-        gathered this way are the whole tensor's first rows: torch.chunk's shards are all
-        ceil(V / world) long but the last non-empty one, and the empty ones after it.)"""
+        n_max rows, the most any rank has. A caller that knows it passes it: a training micro-
+        batch is one shape on every rank (prune.py; the fused loss keeps its masked tokens, at
+        weight 0), W's rows are ceil(V / world) a shard. n_max None asks the ranks (a scalar all-
+        reduce the host reads: a no-grad pass, such as a teacher's last, shorter batch). Remembers
+        where this rank's are (`own`) and n_max, which scatter_tokens reads: a scatter undoes the
+        gather before it. (A DTensor's local rows gathered this way are the whole tensor's first
+        rows: torch.chunk's shards are all ceil(V / world) long but the last non-empty one, and the
+        empty ones after it.)"""
         n = tensors[0].shape[0]
         if self.group is None:
             self.own = slice(0, n)
             return tensors
-        counts = torch.tensor([n], device=tensors[0].device)
-        n_max = int(self.max(counts.clone()))
+        if n_max is None:
+            n_max = int(self.max(torch.tensor([n], device=tensors[0].device)))
         rank = torch.distributed.get_rank(self.group)
         self.own, self.n_max = slice(rank * n_max, rank * n_max + n), n_max
         out = []
         for t in tensors:
-            padded = t.new_zeros((n_max, *t.shape[1:]))
-            padded[:n] = t
+            padded = t.contiguous()
+            if n < n_max:
+                padded = torch.cat([padded, t.new_zeros((n_max - n, *t.shape[1:]))])
             whole = t.new_empty((self.world * n_max, *t.shape[1:]))
             torch.distributed.all_gather_into_tensor(whole, padded, group=self.group)
             out.append(whole)
         return out
+
+    def local_rows(self, ids, R):
+        """Global ids as indices into this rank's R rows (clamped into them, for a gather that
+        needs no shape from the data) and which ids are here."""
+        local = ids - self.start
+        here = (local >= 0) & (local < R)
+        return local.clamp(0, max(R - 1, 0)), here
 
     def scatter_tokens(self, x):
         """x (every rank's tokens, as gather_tokens laid them out): summed over ranks, each rank
@@ -85,6 +102,25 @@ class VocabShard:
         return out[: self.own.stop - self.own.start]
 
 
+# the ids a lookup or a gather is given must be rows: `bad` the id, where the host has read it
+TOKEN_IDS = "token id {bad}is outside the embedding's {rows} rows"
+
+
+def check_ids(ids, n, message):
+    """IndexError, naming the first id outside [0, n) (message.format(bad=..., rows=n)). The host
+    reads the ids: free on a CPU batch, once a batch before it goes to the device (prune.py)."""
+    bad = (ids < 0) | (ids >= n)
+    if bad.any():
+        raise IndexError(message.format(bad=f"{ids[bad][0].item()} ", rows=n))
+
+
+def assert_ids(ids, n, message):
+    """The same check inside a micro-batch, where reading the ids back would stall the host: an
+    assert queued with the device's kernels (a RuntimeError on a CPU, the device's assert on a GPU),
+    its message without the id (check_ids names it)."""
+    torch._assert_async(((ids >= 0) & (ids < n)).all(), message)
+
+
 def plain_lookup(embed):
     """An nn.Embedding whose backward needs the ids and dL/dx only, never the weight's values
     (F.embedding, or _LookupAddsRows below; max_norm would rewrite the weight in forward)."""
@@ -93,13 +129,22 @@ def plain_lookup(embed):
 
 
 def add_rows(grad, ids, rows, scale=1.0):
-    """grad[ids] += scale * rows, each distinct row summed in (at least) fp32 first and added once:
-    one rounding per row in bf16, as the dense path has (and no racing duplicate indices on a GPU)."""
-    uniq, inverse = ids.unique(return_inverse=True)
+    """grad[ids] += scale * rows, the rows of a repeated id summed in at least fp32. A grad of that
+    precision takes them straight in. A bf16 one gets each distinct id's sum once, one rounding a
+    row as the dense path has: the ids sorted, each id's rows summed at its first place, the other
+    places adding exact zeros. No shape depends on the data (unique would): no host sync."""
     acc = torch.promote_types(rows.dtype, torch.float32)  # fp32, or fp64 when it is
-    summed = torch.zeros(len(uniq), rows.shape[1], dtype=acc, device=rows.device)
-    summed.index_add_(0, inverse, rows.to(acc))
-    grad.index_add_(0, uniq, summed.mul_(scale).to(grad.dtype))
+    if torch.promote_types(grad.dtype, acc) == grad.dtype:
+        grad.index_add_(0, ids, rows.to(grad.dtype), alpha=scale)
+        return
+    ids, order = ids.sort(stable=True)
+    first = torch.ones_like(ids, dtype=torch.bool)
+    first[1:] = ids[1:] != ids[:-1]
+    place = torch.arange(len(ids), device=ids.device)
+    group = (place * first).cummax(0).values  # the first place of each one's id
+    summed = torch.zeros(len(ids), rows.shape[1], dtype=acc, device=rows.device)
+    summed.index_add_(0, group, rows[order].to(acc))
+    grad.index_add_(0, ids, summed.mul_(scale).to(grad.dtype))
 
 
 def _local_grad(weight):
@@ -116,19 +161,17 @@ class _VocabParallelLookup(torch.autograd.Function):
     _LookupAddsRows): its gradient is added in place, no dense (V / world) x d tensor a micro-batch."""
 
     @staticmethod
-    def forward(ctx, anchor, holder, ids, padding_idx, dtype):
+    def forward(ctx, anchor, holder, ids, padding_idx, dtype, n_max):
         weight = holder[0]
         shard, rows = VocabShard(weight), weight.to_local()
-        (every,) = shard.gather_tokens(ids.reshape(-1))
-        # every rank sees every id: all of them raise together, as nn.Embedding would in one process
+        (every,) = shard.gather_tokens(ids.reshape(-1), n_max=n_max)
+        # every rank sees every id: all of them fail together, as nn.Embedding would in one process
         # (a missing row would otherwise look up as zeros)
-        if every.numel() and (every.min() < 0 or every.max() >= shard.V):
-            bad = every[(every < 0) | (every >= shard.V)][0].item()
-            raise IndexError(f"token id {bad} is outside the embedding's {shard.V} rows")
-        local = every - shard.start
-        here = (local >= 0) & (local < rows.shape[0])
+        assert_ids(every, shard.V, TOKEN_IDS.format(bad="", rows=shard.V))
+        local, here = shard.local_rows(every, rows.shape[0])
         x = rows.new_zeros(len(every), rows.shape[1])
-        x[here] = rows[local[here]]
+        if rows.shape[0]:  # the rows held here, zeros for the others
+            x = nn.functional.embedding(local, rows).masked_fill_(~here[:, None], 0)
         # summed over ranks: each token's row, from the rank that has it (one non-zero addend: the
         # cast to the compute dtype first is exact, and halves the bytes in bf16)
         x = shard.scatter_tokens(x.to(dtype or x.dtype))
@@ -139,13 +182,15 @@ class _VocabParallelLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (every,), weight, shard = ctx.saved_tensors, ctx.holder[0], ctx.shard
-        (rows,) = shard.gather_tokens(grad.reshape(-1, grad.shape[-1]))  # every rank's dL/dx
-        local = every - shard.start
-        here = (local >= 0) & (local < weight.to_local().shape[0])
+        # every rank's dL/dx, laid out as the forward's ids
+        (rows,) = shard.gather_tokens(grad.reshape(-1, grad.shape[-1]), n_max=shard.n_max)
+        R = weight.to_local().shape[0]
+        local, here = shard.local_rows(every, R)
         if ctx.padding_idx is not None:  # nn.Embedding's rule: the padding row gets no gradient
             here &= every != ctx.padding_idx
-        add_rows(_local_grad(weight), local[here], rows[here], 1.0 / shard.world)
-        return None, None, None, None, None
+        if R:  # the other ranks' rows add exact zeros
+            add_rows(_local_grad(weight), local, rows.masked_fill(~here[:, None], 0), 1.0 / shard.world)
+        return None, None, None, None, None, None
 
 
 class _GatheredRowsLinear(torch.autograd.Function):
@@ -184,9 +229,9 @@ class _GatheredRowsLinear(torch.autograd.Function):
 
 def _gather_rows(shard, V, rows, bias, dtype):
     """W (V, d) and b whole from every rank's rows (cast to `dtype` first: half the bytes in bf16)."""
-    cast = dtype or rows.dtype
-    W = shard.gather_tokens(rows.to(cast))[0][:V]
-    b = shard.gather_tokens(bias.to(cast))[0][:V] if bias is not None else None
+    cast, per = dtype or rows.dtype, -(-V // shard.world)  # every shard padded to ceil(V / world)
+    W = shard.gather_tokens(rows.to(cast), n_max=per)[0][:V]
+    b = shard.gather_tokens(bias.to(cast), n_max=per)[0][:V] if bias is not None else None
     return W, b
 
 
@@ -223,7 +268,9 @@ def vocab_parallel(model, device, dtype=None):
 
         def lookup_forward(self, ids):  # a frozen E (LoRA): no backward node at all
             a = anchor if self.weight.requires_grad and torch.is_grad_enabled() else anchor.detach()
-            return _VocabParallelLookup.apply(a, (self.weight,), ids, self.padding_idx, dtype)
+            # a training forward's ids are one shape on every rank (gather_tokens); others ask
+            n_max = ids.numel() if torch.is_grad_enabled() else None
+            return _VocabParallelLookup.apply(a, (self.weight,), ids, self.padding_idx, dtype, n_max)
         embed.forward = types.MethodType(lookup_forward, embed)
         done.append(embed)
     if linear:

@@ -6,7 +6,7 @@ import torch
 
 import kd
 from conftest import topk_kd_loss as reference_kd_loss
-from scale.fused_loss import FusedLoss, head_kd_loss, next_token_targets
+from scale.fused_loss import FusedLoss, check_batch_ids, head_kd_loss, next_token_targets
 
 
 def topk_kd_loss(logits, ids, lp, entropy=None, mask=None, chunk_tokens=1024):
@@ -46,17 +46,27 @@ def test_chunked_gradient_equals_unchunked():
 
 
 def test_teacher_ids_outside_the_logits_are_refused():
-    """A teacher id past the student's logits was clamped to the last row: a wrong loss, silently."""
+    """A teacher id past the student's logits was clamped to the last row: a wrong loss, silently.
+    The fused head asserts it without reading the ids back (a device-side assert on a GPU); the
+    batch's check, once a batch on the host, names the id."""
     z = torch.randn(1, 4, 10)
     lp = torch.log_softmax(torch.randn(1, 4, 3), -1)
     ids = torch.tensor([[[0, 1, 2], [3, 4, 5], [6, 7, 12], [1, 2, 3]]])
-    with pytest.raises(IndexError, match="teacher token id 12"):
+    with pytest.raises(RuntimeError, match="outside the student's 10 logits"):
         topk_kd_loss(z, ids, lp)
     eye = torch.eye(10)
-    with pytest.raises(IndexError, match="teacher token id 7"):  # the vocabulary cut to 7 ids
+    with pytest.raises(RuntimeError, match="outside the student's 7 logits"):  # the vocabulary cut
         head_kd_loss(z, eye, None, ids.clamp(max=9), lp, vocab=7)
-    with pytest.raises(IndexError, match="teacher token id 12"):  # a vocabulary past the head's rows
+    with pytest.raises(RuntimeError, match="outside the student's 10 logits"):  # past the head's rows
         head_kd_loss(z, eye, None, ids, lp, vocab=16)
+    batch = {"input_ids": torch.tensor([[0, 9, 3, 1]]), "topk_ids": ids}
+    with pytest.raises(IndexError, match="teacher token id 12 is outside the student's 10 logits"):
+        check_batch_ids(batch, 10, 10)
+    with pytest.raises(IndexError, match="teacher token id 7 is outside the student's 7 logits"):
+        check_batch_ids({**batch, "topk_ids": ids.clamp(max=9)}, 10, 7)
+    with pytest.raises(IndexError, match="token id 9 is outside the embedding's 8 rows"):
+        check_batch_ids(batch, 8, 20)
+    check_batch_ids({**batch, "sample_ids": ids}, 10, 13)  # every id in range: nothing raised
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 10_000])
@@ -173,3 +183,36 @@ def test_fused_loss_refuses_what_kd_py_does_not_compute(make_tiny, monkeypatch):
     monkeypatch.setitem(kd.LOSSES, "mine", akd)
     with pytest.raises(E3Error, match="implements the losses akd, kd and sft"):
         FusedLoss(V, 5, reference=plain)(model, batch, ["mine"])
+
+
+def test_fused_loss_runs_the_model_under_autocast(make_tiny):
+    """FusedLoss(autocast=True), prune.py's one-GPU --logit-chunk path: the model's matmuls run under
+    bf16 autocast on the batch's device (here a CPU's), as the plain path's do (it ran fp32 on a
+    GPU); the loss within bf16's rounding of the fp32 one, and its gradient reaches the weights."""
+    from transformers import AutoModelForCausalLM
+
+    import prune
+    model = AutoModelForCausalLM.from_pretrained(make_tiny("llama", 2), dtype=torch.float32)
+    V = 49152
+    g = torch.Generator().manual_seed(1)
+    lt = torch.log_softmax(torch.randn(2, 12, V, generator=g) * 3, -1)
+    lp, top = lt.topk(10, -1)
+    batch = {"input_ids": torch.randint(0, V, (2, 12), generator=g), "topk_ids": top,
+             "topk_logprobs": lp, "entropy": -(lt.exp() * lt).sum(-1)}
+    seen = []
+    layer = model.model.layers[0].mlp.down_proj
+    layer.register_forward_hook(lambda m, i, out: seen.append((torch.is_autocast_enabled("cpu"),
+                                                               out.dtype)))
+    plain = prune.plain_losses(V)
+    (loss,) = FusedLoss(V, 5, reference=plain, autocast=True)(model, batch, ["akd"])
+    loss.backward()
+    # the first-call check's fused forward, its reference (kd.py's, fp32 here), the loss's forward
+    bf16, fp32 = (True, torch.bfloat16), (False, torch.float32)
+    assert seen == [bf16, fp32, bf16], seen
+    with torch.no_grad():
+        (ref,) = plain(model, batch, ["akd"])
+    torch.testing.assert_close(loss, ref, rtol=2e-2, atol=1e-3)
+    assert layer.weight.grad is not None and layer.weight.grad.dtype == torch.float32
+    seen.clear()
+    FusedLoss(V, 5, reference=plain)(model, batch, ["akd"])  # the default: fp32, as before
+    assert seen == [fp32] * 3, seen

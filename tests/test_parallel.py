@@ -163,12 +163,34 @@ def test_tied_lookup_adds_rows_gives_autograds_gradient():
     assert untied.get_input_embeddings().forward == forward
 
 
+def test_add_rows_sums_a_repeated_id_before_rounding():
+    """scale.vocab_parallel.add_rows, sync-free (no unique): a bf16 gradient gets each distinct id's
+    rows summed in fp32 and rounded once (1,000 rows of 1 at one id among others, the ids in any
+    order: 500 with the scale 0.5, which one bf16 rounding keeps), an fp32 one takes them straight
+    in; both against float64."""
+    import torch
+
+    from scale.vocab_parallel import add_rows
+    g = torch.Generator().manual_seed(0)
+    order = torch.randperm(1050, generator=g)
+    ids = torch.cat([torch.full((1000,), 2), torch.randint(0, 6, (50,), generator=g)])[order]
+    rows = torch.cat([torch.ones(1000, 3), torch.randn(50, 3, generator=g)])[order]
+    start = torch.randn(6, 3, generator=g)
+    for dtype, tol in ((torch.bfloat16, 2 ** -8), (torch.float32, 1e-6)):
+        grad = start.to(dtype)
+        ref = grad.double().index_add(0, ids, rows.to(dtype).double(), alpha=0.5)
+        add_rows(grad, ids, rows.to(dtype), 0.5)
+        assert ((grad.double() - ref).abs() <= tol * ref.abs() + 2 * tol).all(), (dtype, grad, ref)
+
+
 ROWS_UNDER_FSDP = r"""
-import json, sys
+import contextlib, json, sys
 import torch
 from torch.distributed.tensor import DTensor
 sys.path.insert(0, sys.argv[2])
+sys.path.insert(0, sys.argv[2] + "/tests")
 import cache_teacher, scale.fsdp
+from host_syncs import HostSyncs
 scale.fsdp.GLOO_CHUNK_BYTES = 4096  # every unit's collectives in many pieces, the last one short
 rank, world, device = cache_teacher.init_distributed()
 ids = [torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(10 * r + m)) for r in range(world)
@@ -188,14 +210,16 @@ def look(where):
 # on the lookup's output, after FSDP's own pre-backward hook there: just before the lookup's backward
 embed.register_forward_hook(lambda mod, inp, out: [out.register_hook(look("embedding backward")), None][1])
 model.model.layers[0].register_full_backward_pre_hook(look("layer 0 backward"))
+counted = HostSyncs()
 for m in range(2):  # two micro-batches, each reduce-scattered: the shards accumulate
     x = ids[2 * rank + m]
-    model(input_ids=x, labels=x).loss.backward()
+    with counted if m else contextlib.nullcontext():  # the second: FSDP's lazy init is done
+        model(input_ids=x, labels=x).loss.backward()
 diff = max((p.grad.full_tensor() - r.grad).abs().max().item()
            for p, r in zip(model.parameters(), ref.parameters()))
 # one file per rank: two ranks' prints on one pipe can interleave mid-line
 with open(f"{sys.argv[3]}/rank{rank}.json", "w") as f:
-    json.dump({"diff": diff, "seen": {k: list(v) for k, v in seen.items()}}, f)
+    json.dump({"diff": diff, "seen": {k: list(v) for k, v in seen.items()}, "syncs": counted.syncs}, f)
 torch.distributed.barrier()  # no rank closes its connections while another still uses them
 torch.distributed.destroy_process_group()
 """
@@ -231,6 +255,9 @@ def test_fsdp_gradients_and_what_a_backward_gathers(tokenizer, tmp_path, tied):
     states = {"embedding backward": [True, True], "layer 0 backward": [True, True]}
     for r in ranks:
         assert r["seen"] == states, ranks
+    # a micro-batch's forward and backward read nothing back to the host (the lookup's id checks,
+    # its boolean-mask indexing and unique, the gather's scalar all-reduce of the token count did)
+    assert [r["syncs"] for r in ranks] == [[], []], ranks
 
 
 CHUNKED = r"""
@@ -342,7 +369,9 @@ import json, sys
 import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[1] + "/tests")
 import cache_teacher
+from host_syncs import HostSyncs
 from scale.fused_loss import head_kd_loss
 rank, world, device = cache_teacher.init_distributed()
 mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
@@ -375,9 +404,10 @@ for tail in (False, True):  # eq. 12's top-K, then K + 1 classes (the rest lumpe
   bd = torch.nn.Parameter(distribute_tensor(b.float(), mesh, [Shard(0)]))
   h_, ids, lp, ent, mask = data[rank]
   h = h_.float().requires_grad_(True)
-  loss = head_kd_loss(h, Wd, bd, ids, lp.float(), ent.float(), mask, post=post, vocab=vocab, chunk_tokens=2,
-                      tail=tail)
-  loss.backward()
+  with HostSyncs() as seen:  # 5 chunks of 2 tokens a rank
+    loss = head_kd_loss(h, Wd, bd, ids, lp.float(), ent.float(), mask, post=post, vocab=vocab, chunk_tokens=2,
+                        tail=tail)
+    loss.backward()
   with torch.no_grad():
     again = head_kd_loss(h, Wd, bd, ids, lp.float(), ent.float(), mask, post=post, vocab=vocab, chunk_tokens=2,
                          tail=tail)
@@ -386,7 +416,8 @@ for tail in (False, True):  # eq. 12's top-K, then K + 1 classes (the rest lumpe
          "dh": (h.grad.double() - world * hs[rank].grad).abs().max().item(),  # its own loss's gradient
          "dW": (Wd.grad.full_tensor().double() - Wr.grad).abs().max().item(),
          "db": (bd.grad.full_tensor().double() - br.grad).abs().max().item(),
-         "past_vocab": Wd.grad.full_tensor()[vocab:].abs().sum().item()}
+         "past_vocab": Wd.grad.full_tensor()[vocab:].abs().sum().item(),
+         "syncs": seen.syncs, "collectives": dict(seen.collectives)}
   # the ranks scale their losses differently: refused, not a wrong dW
   try:
     (head_kd_loss(h, Wd, bd, ids, lp.float(), ent.float(), mask, post=post, vocab=vocab, tail=tail)
@@ -424,6 +455,10 @@ def test_vocabulary_parallel_loss_equals_float64_whole_logits(tmp_path, world):
         assert abs(r["loss"]) < 1e-5 and abs(r["no_grad"]) < 1e-6, ranks
         assert r["dh"] < 1e-5 and r["dW"] < 1e-5 and r["db"] < 1e-5 and r["past_vocab"] == 0, ranks
         assert r["uneven"].startswith("vocabulary-parallel head_kd_loss: the ranks scaled"), ranks
+        # nothing read back to the host, and one collective a chunk: every rank's tokens gathered (4
+        # tensors), each chunk's log-sum-exp and top-K logits (5 chunks), dL/dh back, the scales checked
+        assert r["syncs"] == [], r
+        assert r["collectives"] == {"_allgather_base_": 4 + 5, "_reduce_scatter_base_": 1, "allreduce_": 1}, r
 
 
 FREED = r"""
