@@ -127,6 +127,19 @@ def rank_and_world():
     return 0, 1
 
 
+def barrier():
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def mean_over_ranks(x):
+    """x averaged over the ranks, in place (one all-reduce; in one process x itself)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(x)
+        x /= torch.distributed.get_world_size()
+    return x
+
+
 def print0(*args, **kwargs):
     if int(os.environ.get("RANK", 0)) == 0:  # from the environment: works before init too
         print(*args, **kwargs, flush=True)
@@ -613,7 +626,8 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
     from transformers import AutoTokenizer
     rank, world = rank_and_world()
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if world > 1 and device.type == "cpu":  # CPU ranks: freed tensors back to the OS (scale/)
+    if (world > 1 or logit_chunk) and device.type == "cpu":  # the scale wing on a CPU: freed
+        # tensors go back to the OS (scale/fsdp.py)
         from scale.fsdp import release_freed_memory
         release_freed_memory()
     out = Path(out)

@@ -21,27 +21,34 @@ Face causal LM and recover its quality cheaply. main() reads top-down as the pap
   python prune.py ... --resume                 # on from the newest checkpoint in --out
 
 Under torchrun the model is sharded with FSDP2 (scale/, applied by one call in build_student) and
-the LM head runs fused with the loss (scale/fused_loss.py). The baselines are flag sets (README);
-their code is in baselines/ and is imported only when a flag names it.
+the LM head runs fused with the loss (scale/fused_loss.py). A method is a name in a registry, the
+paper's beside the baselines' (whose code is in baselines/, imported only when a flag names it):
+IMPORTANCE (--init), SEARCHES (--search) and kd.LOSSES (--loss, --search-loss); a fork registers its
+own at import time and its flags accept it (README, "How to fork").
 """
 import argparse
 import contextlib
 import hashlib
+import importlib
 import json
 import math
+import shutil
 import time
+import warnings
 from fractions import Fraction
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import kd
-from cache_teacher import (TEACHER_CACHE_DIR, E3Error, HelpFormatter, TeacherCache, build_cache,
-                           corpus_blocks, init_distributed, load_model, model_fingerprint, print0,
-                           resolve_model, run_main, vocab_size)
+from cache_teacher import (TEACHER_CACHE_DIR, E3Error, HelpFormatter, TeacherCache, barrier,
+                           build_cache, corpus_blocks, init_distributed, load_model,
+                           mean_over_ranks, model_fingerprint, print0, resolve_model, run_main,
+                           vocab_size)
 from sampler import gumbel_noise, gumbel_topk, k_schedule, score_lr_schedule, tau_schedule
-from scale.checkpoint import Run
 from surgery import (LayerGates, LayerSearch, check_removable, decoder_layers, export_pruned,
                      keep_mask, kl_importance, protected_layers, remove_layers, serving_notes)
 
@@ -87,9 +94,9 @@ def parse_args(argv=None):
     g.add_argument("--assistant-only", action="store_true", help="chats: loss on the reply only")
     g.add_argument("--out", help="run folder (default: runs/<model>-keep<k>)")
     g = p.add_argument_group("stage 1: importance (Sec. 3.2)")
-    g.add_argument("--init", choices=["kl", "bi", "random"], default="kl",
-                   help="S_0: KL with the layer bypassed (the paper); baselines/: ShortGPT's Block "
-                        "Influence (baselines/shortgpt.py), or N(0, 1)")
+    g.add_argument("--init", choices=sorted(IMPORTANCE), default="kl",
+                   help="S_0, a name in IMPORTANCE: kl = KL with the layer bypassed (the paper); "
+                        "bi = ShortGPT's Block Influence (baselines/shortgpt.py); random = N(0, 1)")
     g.add_argument("--layers", type=layer_list, help="keep exactly these layers (0,1,4,...): no "
                    "importance, no search, fine-tuning only")
     g.add_argument("--n-calib", type=int, default=PAPER["n_calib"], help="calibration sequences")
@@ -97,10 +104,11 @@ def parse_args(argv=None):
     g.add_argument("--protect-first", type=int, default=1, help="first layers never pruned")
     g.add_argument("--protect-last", type=int, default=1, help="last layers never pruned")
     g = p.add_argument_group("stage 2: the layer search (Sec. 3.2, Alg. 1-2)")
-    g.add_argument("--search", choices=["gumbel", "none", "l0", "evo", "random"], default="gumbel",
-                   help="gumbel: Gumbel-TopK (the paper); none: the top-k of S_0; baselines/: l0 = "
-                        "Sheared-LLaMA's hard-concrete masks, evo = EvoPress's evolutionary search "
-                        "from the top-k of S_0, random = the best of random sets at evo's budget")
+    g.add_argument("--search", choices=sorted(SEARCHES), default="gumbel",
+                   help="a name in SEARCHES: gumbel = Gumbel-TopK (the paper); none = the top-k of "
+                        "S_0; baselines/: l0 = Sheared-LLaMA's hard-concrete masks, evo = EvoPress's "
+                        "evolutionary search from the top-k of S_0, random = the best of random "
+                        "sets at evo's budget")
     g.add_argument("--search-frac", type=float, default=PAPER["search_frac"], help="T_M / T")
     g.add_argument("--beta", type=float, default=PAPER["beta"], help="tau: from 1 to 1 - beta")
     g.add_argument("--score-lr", type=float, default=PAPER["score_lr"],
@@ -111,8 +119,8 @@ def parse_args(argv=None):
                    help="S_0 = c x the importance: its gaps against the Gumbel noise (an ablation)")
     g.add_argument("--score-lr-schedule", choices=["constant", "linear"], default="constant",
                    help="S's lr: constant or linear, --score-lr to --score-lr / T_M (an ablation)")
-    g.add_argument("--search-loss", choices=["akd", "kd", "sft"],
-                   help="the loss of the search steps (default: --loss)")
+    g.add_argument("--search-loss", choices=sorted(kd.LOSSES),
+                   help="the loss of the search steps, a name in kd.LOSSES (default: --loss)")
     g.add_argument("--search-data", help="the text the search reads, with its own teacher cache "
                    "(default: --data)")
     g.add_argument("--evo-generations", type=int,
@@ -156,9 +164,8 @@ def parse_args(argv=None):
     g.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each layer's activations in the backward")
     g.add_argument("--logit-chunk", type=int, help="tokens a chunk of the LM head fused with the "
-                   "loss (scale/: no (B, T, V) logits; on a CPU glibc's mmap threshold fixed at 64 "
-                   "KB too, freed tensors go back to the OS at ~2x the step time); 0: the plain "
-                   "logits path, kd.py (default: 256 under torchrun, 0 in one process)")
+                   "loss (scale/fused_loss.py: no (B, T, V) logits); 0: the plain logits path, "
+                   "kd.py (default: 256 under torchrun, 0 in one process)")
     g.add_argument("--plan", type=int, metavar="RANKS",
                    help="print the run's plan for RANKS ranks from config.json alone, and exit")
     g = p.add_argument_group("run folder")
@@ -303,6 +310,51 @@ def training_batch(source, rows, args, teacher=None):
     return batch
 
 
+def micro_batches(source, kind, step, args, rank, world, teacher=None):
+    """This rank's share of global batch `step`, a micro-batch at a time, each with its weight in the
+    step's loss: the objective is a MEAN over the global batch, so each micro-batch's mean counts
+    1 / n_micro here and FSDP's reduce-scatter takes the mean over the ranks."""
+    n_micro = args.batch_size // (world * args.micro_batch)
+    idx = batch_indices(step, args, source.len_split("train"), rank, world)
+    weights = [1 / n_micro] * n_micro  # packed text: every micro-batch counts as many tokens
+    if source.meta.get("assistant_only"):  # a chat's assistant turns only: as many as they hold
+        from scale.data import micro_batch_weights
+        weights = micro_batch_weights(source, idx, n_micro, kind, world)
+    for m in range(n_micro):
+        rows = idx[m * args.micro_batch:(m + 1) * args.micro_batch]
+        yield {**training_batch(source, rows, args, teacher), "weight": weights[m]}
+
+
+def train_step(model, opt, losses, batches, kind, t, args, gates=None, draw=None):
+    """One optimizer step t over this rank's micro-batches; during the search the gates run
+    micro-batch m through the layer mask draw(m). Returns (the step's loss averaged over the ranks,
+    the gradient norm before clipping): both read once a step, never inside the micro-batch loop,
+    where a host sync would stall a GPU."""
+    loss_sum = torch.zeros((), dtype=torch.float64, device=args.device)
+    for m, batch in enumerate(batches):
+        if gates is not None:
+            gates.mask = draw(m)
+        (loss,) = losses(model, batch, [kind])
+        loss.backward()  # one backward: dL/dTheta AND, through the gates, dL/dS
+        loss_sum += loss.detach()  # on the device: no sync
+    loss = mean_over_ranks(loss_sum).item()  # the same on every rank: all stop together on a NaN
+    if not math.isfinite(loss):  # stop before opt.step() writes NaN into the weights
+        raise E3Error(f"loss is {loss} at step {t}; the last checkpoint in {args.out} is intact: "
+                      f"lower --lr or check the data, then --resume")
+    norm = clip_gradients(model, args.grad_clip)
+    # Alg. 1 l.6: Theta <- Theta - lr dL/dTheta (the paper steps S first: both gradients came from
+    # one backward at the same (Theta, S), so the order is immaterial)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss, norm.item()
+
+
+def clip_gradients(model, max_norm):
+    """Clips the global gradient norm to max_norm and returns it (under FSDP: over all shards)."""
+    norm = nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
 # -----------------------------------------------------------------------------
 # The layer search (Sec. 3.2). What the training loop asks of a search is surgery.LayerSearch's
 # protocol: steps (T_M), prepare(), begin_step(t), sample_mask(j), step(), kept(), and its state.
@@ -363,26 +415,41 @@ class GumbelTopKSearch(LayerSearch):
         self.gen.set_state(state["gen"])
 
 
-def search_class(name):
-    """--search NAME: the paper's here, a baseline's from baselines.SEARCHES (imported if named)."""
-    if name in ("gumbel", "none"):
-        return GumbelTopKSearch if name == "gumbel" else LayerSearch
-    from baselines import SEARCHES
-    return SEARCHES[name]
+# -----------------------------------------------------------------------------
+# The registries: a method is a name here, the value of its flag. The paper's sit beside the
+# baselines', with the same signatures; a baseline is "module:attribute", imported when named.
+#   IMPORTANCE[name](model, batches, vocab, generator) -> (L,) scores, larger = keep   --init
+#   SEARCHES[name](S0, args, L, T, protected, device): a surgery.LayerSearch          --search
+#   kd.LOSSES[name](logits, batch) -> the micro-batch's mean loss           --loss, --search-loss
+# A fork adds its own at import time, before main() parses the flags, e.g.
+#   prune.IMPORTANCE["mine"] = my_importance; prune.main()
+
+IMPORTANCE = {"kl": kl_importance,  # the paper's S_0 (Sec. 3.2)
+              "bi": "baselines.shortgpt:block_influence", "random": "baselines.shortgpt:random_scores"}
+SEARCHES = {"gumbel": GumbelTopKSearch,  # the paper's search (Alg. 1-2)
+            "none": LayerSearch,  # the top-k of S_0: KL one-shot
+            "l0": "baselines.sheared:HardConcreteSearch", "evo": "baselines.evo:EvoSearch",
+            "random": "baselines.evo:RandomSearch"}
+
+
+def registered(registry, name):
+    """registry[name]; a baseline's "module:attribute" imported now that a flag names it."""
+    entry = registry[name]
+    if isinstance(entry, str):
+        module, attribute = entry.split(":")
+        entry = getattr(importlib.import_module(module), attribute)
+    return entry
 
 
 def initial_scores(args, model, tok, cache, L):
-    """S_0 (Sec. 3.2): s_l = E_x KL(p_{-l} || p) on the calibration sequences (surgery.py), or a
-    baseline's scores by their --init name (baselines.IMPORTANCE); --layers: the given set's
-    indicator, so that its top-k is that set."""
+    """S_0 (Sec. 3.2): IMPORTANCE[--init] on the calibration sequences, by default the paper's
+    s_l = E_x KL(p_{-l} || p) (surgery.kl_importance); --layers: the given set's indicator, so that
+    its top-k is that set."""
     if args.layers is not None:
         return torch.zeros(L).index_fill_(0, torch.tensor(args.layers), 1.0)
     batches = calibration_batches(args, tok, cache)
-    if args.init == "kl":
-        scores = kl_importance(model, batches, vocab_size(tok))
-    else:
-        from baselines import IMPORTANCE
-        scores = IMPORTANCE[args.init](model, batches, torch.Generator().manual_seed(args.seed))
+    scores = registered(IMPORTANCE, args.init)(model, batches, vocab_size(tok),
+                                               torch.Generator().manual_seed(args.seed))
     # --score-scale c: the same order, c times the gaps against the Gumbel noise
     return args.score_scale * scores.float()
 
@@ -392,6 +459,7 @@ def prune_to_top_k(model, opt, search, args):
     Plackett-Luce law, and the other layers removed. They never run again and leave the optimizer,
     whose Adam moments for the kept weights carry over. Returns (kept, optimizer)."""
     kept = search.kept()
+    print0(f"pruned to {len(kept)} layers: kept {kept}")
     for note in serving_notes(model.config, kept):
         print0(f"warning: {note}")
     before = set(model.parameters())
@@ -454,8 +522,8 @@ def plan_line(args, world, model, L, cache=None, cache_bytes=None):
              f"{n / 1e6:,.1f}M params ({trainable / 1e6:,.1f}M trainable)",
              f"weights+grads+Adam {search:.3g} GB/rank in the search, {after:.3g} GB/rank after "
              f"the cut ({L} -> {args.keep} layers)"]
-    if hasattr(search_class(args.search), "plan"):  # evo, random: their forward tokens too
-        parts.append(search_class(args.search).plan(args, L))
+    if hasattr(registered(SEARCHES, args.search), "plan"):  # evo, random: their forward tokens
+        parts.append(registered(SEARCHES, args.search).plan(args, L))
     if cache is not None:
         cache_bytes = sum(s["bytes"] for split in cache.meta["shards"].values() for s in split)
         passes = tokens / (cache.len_split("train") * args.seq_len)
@@ -469,7 +537,29 @@ def plan_line(args, world, model, L, cache=None, cache_bytes=None):
     return "plan: " + " | ".join(parts)
 
 
-def check_keep(args, L, protected):
+def resolve_args(args, L, world, cache=None):
+    """What the flags leave to the model, the world and a given cache: k and the method from
+    --layers, the cache's seq-len and targets, T from the budget, T_M, the logit chunk."""
+    if args.layers is not None:  # keep exactly these: no importance, no search
+        args.keep, args.init, args.search = args.keep or len(args.layers), "given", "none"
+    if cache is not None:  # a given cache fixes seq-len and its targets
+        args.seq_len, args.topk, args.targets = cache.seq_len, cache.topk, cache.targets
+        args.samples = cache.samples or args.samples
+    if args.steps is None:
+        args.steps = math.ceil(args.tokens / (args.batch_size * args.seq_len))
+    if args.logit_chunk is None:
+        args.logit_chunk = 256 if world > 1 else 0
+    in_loop = registered(SEARCHES, args.search).in_loop and args.steps and args.search_frac > 0
+    # T_M = round(search_frac T), halves up (0.1 x 25: 3), at least one step when there is a search
+    t_m = math.floor(Fraction(str(args.search_frac)) * args.steps + Fraction(1, 2))
+    args.search_steps = max(1, t_m) if in_loop else 0
+
+
+def check_args(args, config, L, world):
+    """Every flag checked against the model and the world before any work: one error line for the
+    first that cannot run, a warning for each layout an engine would serve differently. Returns
+    the protected layers."""
+    protected = protected_layers(L, args.protect_first, args.protect_last)
     if args.keep is None or not max(1, len(protected)) <= args.keep <= L - 1:
         raise E3Error(f"--keep must be between {max(1, len(protected))} (the protected layers) and "
                       f"{L - 1} for this {L}-layer model; got {args.keep}")
@@ -478,29 +568,153 @@ def check_keep(args, L, protected):
         raise E3Error(f"--layers must name --keep ({args.keep}) distinct layers of 0..{L - 1}, the "
                       f"protected {sorted(protected)} among them (--protect-first/--protect-last 0 "
                       f"to drop those)")
-
-
-def settle(args, L, world):
-    """What the flags leave to the model and the world: k from --layers, T from the budget, T_M."""
-    if args.layers is not None:  # keep exactly these: no importance, no search
-        args.keep, args.init, args.search = args.keep or len(args.layers), "given", "none"
-    if args.steps is None:
-        args.steps = math.ceil(args.tokens / (args.batch_size * args.seq_len))
-    if args.logit_chunk is None:
-        args.logit_chunk = 256 if world > 1 else 0
     if args.logit_chunk < 0:
         raise E3Error(f"--logit-chunk must be 0 (the plain logits) or a number of tokens; got "
                       f"{args.logit_chunk}")
     if args.kd_tail and args.targets != "topk" or args.kd_full and (world > 1 or args.logit_chunk):
         raise E3Error("--kd-tail needs a top-K cache (not sampled targets); --kd-full runs in one "
                       "process on the plain logits path (--logit-chunk 0): the teacher beside it")
-    protected = protected_layers(L, args.protect_first, args.protect_last)
-    check_keep(args, L, protected)
-    in_loop = search_class(args.search).in_loop and args.steps and args.search_frac > 0
-    # T_M = round(search_frac T), halves up (0.1 x 25: 3), at least one step when there is a search
-    t_m = math.floor(Fraction(str(args.search_frac)) * args.steps + Fraction(1, 2))
-    args.search_steps = max(1, t_m) if in_loop else 0
+    if args.plan:  # a plan is for any world: the rest is checked when the run starts
+        return protected
+    if args.batch_size % (world * args.micro_batch):
+        raise E3Error(f"--batch-size {args.batch_size} must be a multiple of ranks x --micro-batch "
+                      f"({world} x {args.micro_batch})")
+    if (args.batch_size // args.micro_batch) % args.masks_per_step:
+        raise E3Error(f"--masks-per-step {args.masks_per_step} must divide the "
+                      f"{args.batch_size // args.micro_batch} micro-batches of a step")
+    check_removable(config, args.layers)  # a layout the config cannot express: stop now
+    for note in serving_notes(config, args.layers):  # where an engine would differ
+        print0(f"warning: {note}")
     return protected
+
+
+def search_teacher_cache(args, tok, cache):
+    """The cache the search steps read: --search-data's own, else the training cache."""
+    if not args.search_data or args.search == "none":
+        return cache
+    tokens = registered(SEARCHES, args.search).tokens_read(args)
+    return build_teacher_cache(args, tok, args.search_data, tokens)
+
+
+def full_teacher(args, cache):
+    """--kd-full: the model that made the cache, in its dtype, frozen, in eval mode; else None."""
+    if not (args.kd_full and cache):
+        return None
+    teacher = load_model(cache.meta["model"]["model"], args.device,
+                         getattr(torch, cache.meta.get("teacher_dtype", "float32")))[0]
+    return teacher.eval().requires_grad_(False)  # frozen: its forwards record no graph
+
+
+def make_losses(args, vocab, world):
+    """losses(model, batch, kinds): kd.py's on the plain logits, or under --logit-chunk the LM head
+    fused with the loss (scale/fused_loss.py), checked against kd.py's at first use."""
+    losses = plain_losses(vocab, autocast=args.device.type == "cuda" and world == 1)
+    if args.logit_chunk:
+        from scale.fused_loss import FusedLoss
+        losses = FusedLoss(vocab, args.logit_chunk, reference=losses)
+    return losses
+
+
+def print_plan(args, ranks):
+    """--plan RANKS: the run's plan from config.json alone, the model on the meta device."""
+    from scale.fsdp import meta_model
+    model, bytes_a_token = meta_model(args)
+    L = len(decoder_layers(model))
+    resolve_args(args, L, ranks)
+    check_args(args, model.config, L, ranks)
+    print(plan_line(args, ranks, model, L, cache_bytes=bytes_a_token * args.steps *
+                    args.batch_size * args.seq_len))
+
+
+# -----------------------------------------------------------------------------
+# The run folder, and the checkpoints a killed run resumes from (nanochat's checkpoint manager):
+#   OUT/run.json             the arguments that define the run (a folder holding another is refused)
+#   OUT/log.jsonl            one JSON event a line: importance, search steps, train steps, val, ...
+#   OUT/checkpoints/step_N/  torch.distributed.checkpoint (DCP): each rank writes and reads only its
+#                            own shards of the weights and of AdamW's moments; a resume on another
+#                            number of ranks reshards on load; extra.pt beside them holds the small
+#                            state (step, kept layers, the search's state, the summary so far)
+#   OUT/model/               the export: a plain Hugging Face checkpoint and pruning.json
+# One process writes the same format (no_dist), so that 1 process and N ranks resume each other.
+# Multi-node: OUT is one shared folder, seen by every node at the same path.
+
+# in one process DCP warns that it "assumes the intent is to save in a single process": it is
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+class Run:
+    def __init__(self, out, identity, rank, resume):
+        self.out, self.identity, self.rank, self.resume = Path(out), identity, rank, resume
+        self.ckpt_dir, run_file = self.out / "checkpoints", self.out / "run.json"
+        # every rank checks before rank 0 writes; a folder that is not this run is left untouched
+        if run_file.exists():
+            if json.loads(run_file.read_text()) != identity:
+                raise E3Error(f"'{self.out}' already holds a different run; pass another --out (or "
+                              f"the same arguments with --resume)")
+            if not resume:
+                raise E3Error(f"'{self.out}' already holds this run; pass --resume to continue it "
+                              f"or another --out")
+        elif self.out.exists() and any(self.out.iterdir()):
+            raise E3Error(f"'{self.out}' exists and is not an E3-Pruner run folder; pass another --out")
+
+    def create(self):
+        """run.json, once every input has been checked: a run that could not start leaves none."""
+        barrier()
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "run.json").write_text(json.dumps(self.identity, indent=1))
+
+    def log(self, **event):
+        if self.rank == 0:
+            with open(self.out / "log.jsonl", "a") as f:
+                f.write(json.dumps(event) + "\n")
+
+    def truncate_log(self, step):
+        """On resume: the events after the checkpoint are about to be redone."""
+        path = self.out / "log.jsonl"
+        if self.rank == 0 and path.exists():
+            keep = [e for e in path.read_text().splitlines() if json.loads(e).get("step", 0) <= step]
+            path.write_text("".join(e + "\n" for e in keep))
+
+    def latest(self):
+        """The small state of the newest complete checkpoint, or None (a `.tmp` folder is a save
+        that never finished): read before the model is built, it says which layers the model has."""
+        done = [p for p in self.ckpt_dir.glob("step_*") if not p.name.endswith(".tmp")]
+        if not self.resume or not done:
+            return None
+        path = max(done, key=lambda p: int(p.name.split("_")[1]))
+        extra = torch.load(path / "extra.pt", map_location="cpu", weights_only=True)
+        return {**extra, "path": str(path)}
+
+    def save(self, step, model, opt, extra):
+        """Every rank writes its shards into step_N.tmp/, rank 0 the small `extra` state, then
+        renames the folder once all are done: a crash never leaves one that looks complete."""
+        final, tmp = self.ckpt_dir / f"step_{step}", self.ckpt_dir / f"step_{step}.tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
+                 no_dist=not torch.distributed.is_initialized())
+        if self.rank == 0:
+            torch.save({**extra, "step": step}, tmp / "extra.pt")
+        barrier()
+        if self.rank == 0:
+            tmp.rename(final)
+            for old in self.ckpt_dir.glob("step_*"):
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+            print0(f"checkpoint saved: {final}")
+        barrier()
+
+    @staticmethod
+    def load_into(path, model, opt):
+        """The checkpoint's weights and optimizer state into `model` (already of its shape)."""
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path), no_dist=not torch.distributed.is_initialized())
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 # -----------------------------------------------------------------------------
@@ -508,12 +722,8 @@ def settle(args, L, world):
 def main(argv=None):
     args = parse_args(argv)
     args.model = resolve_model(args.model)
-    if args.plan:  # --plan RANKS: from config.json alone, the model on the meta device
-        from scale.fsdp import meta_model
-        model, bytes_a_token = meta_model(args)
-        settle(args, len(decoder_layers(model)), args.plan)
-        return print(plan_line(args, args.plan, model, len(decoder_layers(model)), cache_bytes=
-                               bytes_a_token * args.steps * args.batch_size * args.seq_len))
+    if args.plan:
+        return print_plan(args, args.plan)
 
     # ================================ SETUP ================================
     t0 = time.time()
@@ -521,46 +731,21 @@ def main(argv=None):
     shape, tok = load_model(args.model, weights=False)  # the config alone: check every input first
     L = len(decoder_layers(shape))
     cache = TeacherCache(args.cache, tok, seq_len=args.seq_len) if args.cache else None
-    if cache:  # a given cache fixes seq-len and its targets
-        args.seq_len, args.topk, args.targets = cache.seq_len, cache.topk, cache.targets
-        args.samples = cache.samples or args.samples
-    protected = settle(args, L, world)
-    if args.device.type == "cpu" and (world > 1 or args.logit_chunk):  # the scale wing on a CPU:
-        from scale.fsdp import release_freed_memory  # freed tensors go back to the OS
-        release_freed_memory()
-    if args.batch_size % (world * args.micro_batch):
-        raise E3Error(f"--batch-size {args.batch_size} must be a multiple of ranks x --micro-batch "
-                      f"({world} x {args.micro_batch})")
-    if (args.batch_size // args.micro_batch) % args.masks_per_step:
-        raise E3Error(f"--masks-per-step {args.masks_per_step} must divide the "
-                      f"{args.batch_size // args.micro_batch} micro-batches of a step")
-    check_removable(shape.config, args.layers)  # a layout the config cannot express: stop now
-    for note in serving_notes(shape.config, args.layers):  # where an engine would differ
-        print0(f"warning: {note}")
+    resolve_args(args, L, world, cache)
+    protected = check_args(args, shape.config, L, world)
     T, T_M = args.steps, args.search_steps
     args.out = args.out or f"runs/{Path(args.model).name}-keep{args.keep}"
     run = Run(args.out, run_identity(args), rank, args.resume)
     cache = cache or build_teacher_cache(args, tok)  # the teacher: loaded, used, freed
-    search_cache = cache  # --search-data: the search reads its own text
-    if args.search_data and args.search != "none":
-        tokens = search_class(args.search).tokens_read(args)
-        search_cache = build_teacher_cache(args, tok, args.search_data, tokens)
+    search_cache = search_teacher_cache(args, tok, cache)
     if T == 0:  # no cache: check --data now, before anything is written
         calibration_batches(args, tok, None)
     run.create()
     resumed = run.latest()  # None, or the small state of the newest checkpoint
     model, _ = build_student(args, args.device, world, kept=resumed and resumed["kept"])
-    teacher = None  # --kd-full: the model that made the cache, in its dtype, frozen, in eval mode
-    if args.kd_full and cache:
-        teacher = load_model(cache.meta["model"]["model"], args.device,
-                             getattr(torch, cache.meta.get("teacher_dtype", "float32")))[0]
-        teacher.eval().requires_grad_(False)  # frozen: its forwards record no graph
+    teacher = full_teacher(args, cache)
     opt = make_optimizer(model, args)
-    vocab = cache.vocab_size if cache else vocab_size(tok)
-    losses = plain_losses(vocab, autocast=args.device.type == "cuda" and world == 1)
-    if args.logit_chunk:  # the LM head fused with the loss, checked against kd.py at first use
-        from scale.fused_loss import FusedLoss
-        losses = FusedLoss(vocab, args.logit_chunk, reference=losses)
+    losses = make_losses(args, cache.vocab_size if cache else vocab_size(tok), world)
     print0(plan_line(args, world, model, L, cache))
 
     # ====================== STAGE 1: IMPORTANCE (Sec. 3.2) ======================
@@ -569,119 +754,88 @@ def main(argv=None):
         S0 = initial_scores(args, model, tok, cache, L)  # Alg. 1's input S
         run.log(event="importance", method=args.init, scores=S0.tolist(), step=0)
         print0(f"importance ({args.init}): " + " ".join(f"{s:.3g}" for s in S0.tolist()))
-        step, kept = 0, None
-    else:
+        step, kept, summary = 0, None, {}
+    else:  # summary: what was measured before the kill
         S0, step, kept = resumed["init_scores"], resumed["step"], resumed["kept"]
+        summary = resumed.get("summary", {})
         run.load_into(resumed["path"], model, opt)
         run.truncate_log(step)
-        print0(f"resumed from {resumed['path']} at step {step} ({'search' if kept is None else 'finetune'})")
-    search = search_class(args.search)(S0, args, L, T, protected, args.device)
+        print0(f"resumed from {resumed['path']} at step {step} "
+               f"({'search' if kept is None else 'finetune'})")
+    search = registered(SEARCHES, args.search)(S0, args, L, T, protected, args.device)
     if resumed is not None:
         search.load_state_dict(resumed["search"])
     else:  # evo and random choose their layer set now, before any training
         search.prepare(model, search_cache, losses,
                        lambda entry: run.log(event="layer_search", method=args.search, **entry))
-    # "search" = Alg. 1 l.3's t <= T_M: all L layers run through their gates; "finetune": after
-    # the cut only the k kept layers exist. `step` counts the steps done (t = step + 1 is next)
-    phase = "search" if kept is None and step < T_M else "finetune"
-    gates = LayerGates(model) if phase == "search" else None
-    summary = resumed.get("summary", {}) if resumed else {}  # what was measured before a kill
+    # Alg. 1 l.3, t <= T_M: every layer runs through its gate; after the cut only the k kept exist
+    gates = LayerGates(model) if kept is None else None
+    measured = {}  # step -> validation losses: the cut and an eval at one step validate once
 
-    def val(when, t, _last={}):
+    def val(when, t):
         if not cache or not cache.len_split("val"):  # a cache built with --val-frac 0
             return None
-        if _last.get("t") != t:  # at the cut and at an eval step both: the same model, once
-            _last.update(t=t, losses=validate(model, cache, losses, args))
-        kd_loss, ce = _last["losses"]
+        if t not in measured:
+            measured[t] = validate(model, cache, losses, args)
+        kd_loss, ce = measured[t]
         run.log(event="val", step=t, val_loss=kd_loss, val_ce=ce, when=when)
+        # "kd" is the loss of the cache's own targets: comparable between runs of one kind only
         print0(f"val {when}: kd {kd_loss:.4f} ce {ce:.4f}")
         return {"kd": round(kd_loss, 4), "ce": round(ce, 4)}
 
     if resumed is None:
         summary["val_dense"] = val("dense", 0)  # the reference: the full model before any step
-    if kept is None and phase == "finetune":  # no search (T_M = 0): the cut, now
-        kept, opt = prune_to_top_k(model, opt, search, args)
-        run.log(event="pruned", step=step, kept=kept)
-        print0(f"pruned to {len(kept)} layers: kept {kept}")
 
     # ================= STAGE 2: SEARCH, THEN FINE-TUNE (Alg. 1) =================
     # ------------------------- TRAINING SECTION BEGIN -------------------------
-    n_micro = args.batch_size // (world * args.micro_batch)  # micro-batches a rank runs a step
-    tokens_per_step = args.batch_size * args.seq_len
-    while step < T:  # Alg. 1 l.1: for t = 1..T
-        t, t_step = step + 1, time.time()
+    tokens_per_step, first = args.batch_size * args.seq_len, step
+    while True:  # Alg. 1 l.1: for t = 1..T; this iteration first closes step `step`, then runs t
+        if kept is None and step == min(T_M, T):  # the search is over (T_M = 0: none ran): the
+            gates.remove()  # cut, Alg. 1's return; from here the model is plainly the k kept layers
+            kept, opt = prune_to_top_k(model, opt, search, args)
+            run.log(event="pruned", step=step, kept=kept)
+            if 0 < step == T_M:
+                summary["val_at_pruning"] = val("at pruning", step)
+        if step > first and (step % at(args.eval_every, T) == 0 or step == T):
+            if kept is None:  # never a sampled mask: the set the cut would keep now
+                gates.mask = keep_mask(search.kept(), L, args.device)
+            summary["val_final"] = val(f"step {step}", step)
+        if step > first and step % at(args.ckpt_every, T) == 0 and step < T:  # at T: the export
+            # beside the DCP shards: where the loop stands, the search's state (S, its Adam, the
+            # Gumbel generator), so that the resumed run draws what this one would, and the summary
+            run.save(step, model, opt, {"kept": kept, "init_scores": S0, "search":
+                                        search.state_dict(), "summary": summary})
+        if step == T:
+            break
+        t, t_step, searching = step + 1, time.time(), kept is None
         lr = lr_schedule(step, args)  # a pure function of the step: a resume needs no state
-        # so are dropout's masks (GPT-2, OPT): each rank its own, on any device, after any resume
-        torch.manual_seed((args.seed * 2**40 + t * 2**20 + rank) % 2**63)
         for group in opt.param_groups:
             group["lr"] = lr
-        if phase == "search":  # Alg. 1 l.3: t <= T_M
-            search.begin_step(t)  # Alg. 1 l.2: tau_t, k'_t, and this step's random draw
-        source, kind = (search_cache, args.search_loss) if phase == "search" else (cache, args.loss)
-        idx = batch_indices(step, args, source.len_split("train"), rank, world)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        weights = [1 / n_micro] * n_micro  # packed text: every micro-batch counts as many tokens
-        if source.meta.get("assistant_only"):  # a chat's assistant turns only (scale/data.py)
-            from scale.data import micro_batch_weights
-            weights = micro_batch_weights(source, idx, n_micro, kind, world)
-        for m in range(n_micro):
-            if phase == "search":
-                # Alg. 1 l.4: M = Gumbel-TopK(S, tau, k'), rebuilt for each micro-batch (each
-                # backward frees its graph from S to M~); j: its place in the global batch
-                gates.mask = search.sample_mask(rank * n_micro + m)
-            batch = training_batch(source, idx[m * args.micro_batch:(m + 1) * args.micro_batch],
-                                   args, teacher)
-            # the objective is a MEAN over the global batch: each micro-batch's mean x its weight
-            # here (1 / n_micro), the mean over the ranks by FSDP's reduce-scatter
-            (loss,) = losses(model, {**batch, "weight": weights[m]}, [kind])
-            loss.backward()  # one backward: dL/dTheta AND dL/dS through the gates
-            loss_sum += loss.detach().double().cpu()
-        if world > 1:  # the same number on every rank, so that all stop together on a NaN
-            torch.distributed.all_reduce(loss_sum)
-            loss_sum /= world
-        loss_avg = loss_sum.item()
-        if not math.isfinite(loss_avg):  # stop before opt.step() writes NaN into the weights
-            raise E3Error(f"loss is {loss_avg} at step {t}; the last checkpoint in "
-                          f"{run.ckpt_dir} is intact: lower --lr or check the data, then --resume")
-        norm = nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], args.grad_clip)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: all shards'
-        # Alg. 1 l.6: Theta <- Theta - lr dL/dTheta (the paper steps S first: both gradients came
-        # from one backward at the same (Theta, S), so the order is immaterial)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if phase == "search":  # the layers each of this step's draws ran (--masks-per-step)
+        # so are dropout's masks (GPT-2, OPT): each rank its own, on any device, after any resume
+        torch.manual_seed((args.seed * 2**40 + t * 2**20 + rank) % 2**63)
+        if searching:  # Alg. 1 l.2: tau_t, k'_t, and this step's Gumbel draw
+            search.begin_step(t)
+        source, kind = (search_cache, args.search_loss) if searching else (cache, args.loss)
+        n_micro = args.batch_size // (world * args.micro_batch)
+        # Alg. 1 l.4: M = Gumbel-TopK(S, tau, k'), rebuilt for each micro-batch (each backward frees
+        # its graph from S to M~); j = rank x n_micro + m, the micro-batch's place in the global batch
+        draw = lambda m: search.sample_mask(rank * n_micro + m)  # noqa: E731
+        batches = micro_batches(source, kind, step, args, rank, world, teacher)
+        loss, norm = train_step(model, opt, losses, batches, kind, t, args,
+                                gates if searching else None, draw)
+        if searching:  # Alg. 1 l.5: S <- S - lr_S dL/dS; and the layers each of the step's draws ran
             with torch.no_grad():
                 masks = [search.sample_mask(j).cpu().tolist() for j in range(args.masks_per_step)]
-            search.step()  # Alg. 1 l.5: S <- S - lr_S dL/dS
+            search.step()
             run.log(event="search", step=t, scores=search.S.detach().cpu().tolist(), mask=masks[0],
                     **({"masks": masks} if len(masks) > 1 else {}), **search.log_fields())
         step, dt = t, time.time() - t_step
-        run.log(event="train", step=t, phase=phase, loss=loss_avg, lr=lr,
-                tokens=t * tokens_per_step, tok_per_s=tokens_per_step / dt, grad_norm=norm.item())
-        where = "".join(f" | {k} {v:.3g}" for k, v in search.log_fields().items()) \
-            if phase == "search" else ""
-        print0(f"step {t}/{T} | {phase} | loss {loss_avg:.4f} | lr {lr:.2e}{where} | "
-               f"{tokens_per_step / dt:.0f} tok/s | {time.time() - t0:.1f}s")
-        if phase == "search" and t == T_M:  # the end of the search: the cut
-            gates.remove()  # no hooks from here on: the model is plainly the k kept layers
-            kept, opt = prune_to_top_k(model, opt, search, args)  # Alg. 1's return, at T_M
-            phase = "finetune"
-            run.log(event="pruned", step=t, kept=kept)
-            print0(f"pruned to {len(kept)} layers: kept {kept}")
-            summary["val_at_pruning"] = val("at pruning", t)
-        if t % at(args.eval_every, T) == 0 or t == T:
-            if phase == "search":  # never a sampled mask: the set the cut would keep now
-                gates.mask = keep_mask(search.kept(), L, args.device)
-            summary["val_final"] = val(f"step {t}", t)
-        if t % at(args.ckpt_every, T) == 0 and t < T:  # none at T: the export follows at once
-            # beside the DCP shards: where the loop stands, the search's state (S, its Adam, the
-            # Gumbel generator), so that the resumed run draws what this one would, and the summary
-            run.save(t, model, opt, {"phase": phase, "kept": kept, "init_scores": S0,
-                                     "search": search.state_dict(), "summary": summary})
+        run.log(event="train", step=t, phase="search" if searching else "finetune", loss=loss,
+                lr=lr, tokens=t * tokens_per_step, tok_per_s=tokens_per_step / dt, grad_norm=norm)
+        where = "".join(f" | {k} {v:.3g}" for k, v in search.log_fields().items()) if searching else ""
+        print0(f"step {t}/{T} | {'search' if searching else 'finetune'} | loss {loss:.4f} | "
+               f"lr {lr:.2e}{where} | {tokens_per_step / dt:.0f} tok/s | {time.time() - t0:.1f}s")
     # -------------------------- TRAINING SECTION END --------------------------
-    if kept is None:  # a search longer than the run (--search-frac > 1) ends as Alg. 1 does
-        kept, opt = prune_to_top_k(model, opt, search, args)
-        run.log(event="pruned", step=step, kept=kept)
 
     # =============================== STAGE 3: EXPORT ===============================
     # pruning.json: how the model was made, enough to redo it (the flags) or compare it (tokens)
@@ -689,16 +843,7 @@ def main(argv=None):
             f"loss={args.loss}", "flags": run_identity(args), "tokens_trained": T * tokens_per_step,
             "search_forward_tokens": 0, **search.summary(), "initial_scores": S0.tolist(),
             "final_scores": search.S.detach().cpu().tolist()}
-    if torch.distributed.is_initialized():  # FSDP2's shards, gathered a tensor at a time onto rank 0
-        from scale.fsdp import full_state_dict
-        state = full_state_dict(model)
-    else:
-        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    if rank == 0:
-        if args.lora_rank:  # the adapters folded into plain weights
-            from scale.lora import merge_lora
-            state = merge_lora(state, args.lora_alpha / args.lora_rank)
-        export_pruned(args.model, state, kept, L, tok, Path(args.out) / "model", info)
+    export(model, args, rank, kept, L, tok, info)
     summary = {"kept_layers": kept, "layers": f"{L} -> {len(kept)}",
                "tokens_trained": T * tokens_per_step, **search.summary(),
                **{k: v for k, v in summary.items() if v is not None},
@@ -706,6 +851,21 @@ def main(argv=None):
     run.log(event="done", step=T, **summary)
     print0("done: " + json.dumps(summary))
     return model
+
+
+def export(model, args, rank, kept, L, tok, info):
+    """OUT/model: the kept layers' weights (FSDP2's shards gathered a tensor at a time onto rank 0,
+    LoRA's adapters folded in) as a plain Hugging Face checkpoint, beside pruning.json."""
+    if torch.distributed.is_initialized():
+        from scale.fsdp import full_state_dict
+        state = full_state_dict(model)
+    else:
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if rank == 0:
+        if args.lora_rank:
+            from scale.lora import merge_lora
+            state = merge_lora(state, args.lora_alpha / args.lora_rank)
+        export_pruned(args.model, state, kept, L, tok, Path(args.out) / "model", info)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from cache_teacher import E3Error, load_model
+from cache_teacher import E3Error, load_model, mean_over_ranks
 
 # where the families keep their decoder layers: Llama-likes, multimodal wrappers (Gemma-3), OPT,
 # GPT-2/Falcon/Bloom, GPT-NeoX, MPT
@@ -139,13 +139,14 @@ def layer_bypassed(layers, rec, skip):
 
 
 @torch.no_grad()
-def kl_importance(model, batches, vocab, chunk=1024):
+def kl_importance(model, batches, vocab, generator=None, chunk=1024):
     """s_l = mean over the valid tokens of KL(p_{-l} || p), p the model's next-token distribution and
     p_{-l} that of the model with layer l bypassed (Sec. 3.2), float64, length L; larger = more
     important. batches: (input_ids, attention_mask or None); pad positions never count. One full
     forward records every layer's input, then each bypassed model starts at its layer (about L^2/2
     layer calls instead of L (L + 1)). The KL runs on `chunk` tokens at a time in fp32, over the
-    tokenizer's `vocab` ids. In eval mode: the scores are the model's, not a dropout sample's."""
+    tokenizer's `vocab` ids. In eval mode: the scores are the model's, not a dropout sample's.
+    Deterministic: `generator` (every importance's signature, prune.IMPORTANCE) is not used."""
     layers = decoder_layers(model)
     L, training = len(layers), model.training
     model.eval()
@@ -203,17 +204,23 @@ def keep_mask(kept, L, device):
 
 
 class LayerSearch:
-    """What prune.py's training loop asks of a layer search, its whole protocol; by itself, no
-    search (--search none): the cut keeps the top-k of S_0 (KL one-shot). The paper's Gumbel-TopK
-    search (prune.py) and each baseline (baselines/) implement it:
+    """What prune.py asks of a layer search, its whole protocol; by itself, no search (--search
+    none): the cut keeps the top-k of S_0 (KL one-shot). The paper's Gumbel-TopK search (prune.py)
+    and each baseline (baselines/) implement it, and a fork's search is a subclass registered in
+    prune.SEARCHES under its --search name. Built as cls(S0, args, L, T, protected, device):
 
+        in_loop                class attribute: True if it runs in the first T_M training steps
         steps                  T_M, the first training steps, run through its masks (0: none)
+        tokens_read(args)      static: the training tokens the search reads (--search-data's cache)
+        plan(args, L)          optional static: a line for --plan (evo, random: forward tokens)
         prepare(model, cache, losses, log)   before training: evo and random choose their set here
         begin_step(t)          Alg. 1 l.2: this step's schedules and random draw
         sample_mask(j)         Alg. 1 l.4: the (L,) mask global micro-batch j runs, differentiable
-        step()                 Alg. 1 l.5: the scores' update, after the backward
+        step()                 Alg. 1 l.5: the scores' update, after the backward; average_grad()
+                               first makes S.grad the whole batch's under torchrun
         kept()                 Alg. 1's return: the k layers to keep, were it to stop now
-        state_dict(), load_state_dict(state)   what a checkpoint holds; log_fields(), summary()
+        state_dict(), load_state_dict(state)   what a checkpoint holds
+        log_fields(), summary()                its fields in each step's log line and in the summary
     """
     in_loop = False  # whether it runs in the first T_M training steps (Gumbel-TopK, l0)
 
@@ -246,9 +253,7 @@ class LayerSearch:
         depend on S (k'_t = the protected layers)."""
         if self.S.grad is None:
             self.S.grad = torch.zeros_like(self.S)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(self.S.grad)
-            self.S.grad /= torch.distributed.get_world_size()
+        mean_over_ranks(self.S.grad)
 
     def state_dict(self):
         return {"S": self.S.detach().cpu()}

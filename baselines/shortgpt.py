@@ -14,9 +14,10 @@ from surgery import LayerRecorder, decoder_layers, hidden_in, hidden_out
 
 
 @torch.no_grad()
-def block_influence(model, batches, generator=None):
+def block_influence(model, batches, vocab=None, generator=None):
     """(L,) float64 BI scores over the valid tokens of `batches` ((input_ids, attention_mask or
-    None)); larger = more important. In eval mode: no dropout in the scores."""
+    None)); larger = more important. In eval mode: no dropout in the scores. vocab, generator:
+    not used (prune.IMPORTANCE's signature)."""
     layers = decoder_layers(model)
     sums, count, training = torch.zeros(len(layers), dtype=torch.float64), 0, model.training
     model.eval()
@@ -37,6 +38,6 @@ def block_influence(model, batches, generator=None):
     return sums / max(count, 1)
 
 
-def random_scores(model, batches, generator):
+def random_scores(model, batches, vocab, generator):
     """i.i.d. N(0, 1) scores, the same on every rank (a seeded generator): an ablation."""
     return torch.randn(len(decoder_layers(model)), generator=generator, dtype=torch.float64)

@@ -59,7 +59,7 @@ def rank_main(argv):
     import transformers  # noqa: F401
     import cache_teacher
     import prune
-    from scale.checkpoint import Run
+    from prune import Run
     rank = os.environ.get("RANK", "0")
     report = Path(os.environ["E3_MEMORY_REPORT"]) / f"rank{rank}.jsonl"
     start = {}  # resident memory when each phase began
