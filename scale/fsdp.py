@@ -20,6 +20,9 @@ file is what keeps the memory of a rank down (each measured: docs/scale.md):
   release_freed_memory      glibc's mmap threshold fixed at 64 KB on a CPU: freed tensors go back
   drop_removed_layers       after the cut, the root forgets the removed layers' units
   full_state_dict           the whole fp32 state gathered onto rank 0's CPU a tensor at a time
+  apply_activation_checkpointing
+                            every decoder layer's activations recomputed in the backward, whole
+                            ("full") or all but its matmuls and attention ("selective")
   meta_model                prune.py --plan RANKS: the model built from config.json alone, no memory
 
 In one process (prune.py --logit-chunk), parallelize applies only tied_lookup_adds_rows (and, on a
@@ -57,8 +60,11 @@ def parallelize(model, device, fused_loss=False, train=True):
     mp = MixedPrecisionPolicy()  # CPU (gloo): fp32 throughout
     if device.type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=mp)
+    layers = decoder_layers(model)
+    for layer in layers:
+        # torchtitan's choice: the last layer's backward is the first to run, right after the
+        # forward (and the head's loss): kept gathered, not all-gathered again at once
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=layer is not layers[-1])
     rows = vocab_parallel(model, device, mp.param_dtype)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embed.weight
@@ -66,7 +72,8 @@ def parallelize(model, device, fused_loss=False, train=True):
                                                        if m is not None and m not in rows]
     for unit in units:
         fully_shard(unit, mp_policy=mp)
-    fully_shard(model, mp_policy=mp, ignored_params={p for m in rows for p in m.parameters()})
+    fully_shard(model, mp_policy=mp, reshard_after_forward=False,  # as for the last layer
+                ignored_params={p for m in rows for p in m.parameters()})
     free_embedding_in_backward(model)
     if fused_loss:
         head_not_gathered_in_backward(model)
@@ -78,6 +85,39 @@ def parallelize(model, device, fused_loss=False, train=True):
     load_from_rank0(model, full_state, rank, device)
     model.register_forward_hook(reshard_after_no_grad)
     return model
+
+
+def apply_activation_checkpointing(model, mode):
+    """Recompute each decoder layer's activations in its backward instead of keeping them: "full"
+    keeps a layer's input alone (HF's checkpointing, non-reentrant); "selective" keeps the outputs of
+    its matmuls and attention too, and recomputes only the cheap elementwise ops between them (norms,
+    RoPE, SiLU, the residual adds: torchtitan's op-level SAC): nearly the FLOPs of no
+    checkpointing, for part of its memory. Call it before parallelize (fully_shard): the layer's forward is what is
+    checkpointed, FSDP2's hooks stay outside it, and its state-dict names do not change."""
+    kwargs = {"use_reentrant": False}
+    if mode == "selective":
+        kwargs["context_fn"] = _save_matmuls
+    elif mode != "full":
+        raise ValueError(f"activation checkpointing is 'full' or 'selective', not {mode!r}")
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable(kwargs)  # transformers' per-layer switch (the first argument: checkpoint()'s keywords)
+    return model
+
+
+def _save_matmuls():
+    """The contexts of one selective checkpoint: the outputs of the compute-bound ops (matmuls,
+    attention: functorch's compute-intensive list, and SDPA's CPU and cuDNN kernels) saved, every
+    other op's recomputed."""
+    from torch._functorch.partitioners import get_default_op_list
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    aten = torch.ops.aten
+    saved = {*get_default_op_list().compute_intensive_ops, aten.linear,
+             aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_cudnn_attention}
+
+    def policy(ctx, func, *args, **kwargs):
+        return (CheckpointPolicy.MUST_SAVE if func.overloadpacket in saved
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+    return create_selective_checkpoint_contexts(policy)
 
 
 def release_freed_memory():

@@ -163,6 +163,59 @@ def test_tied_lookup_adds_rows_gives_autograds_gradient():
     assert untied.get_input_embeddings().forward == forward
 
 
+def checkpointed_backward(model, ids, mode):
+    """A copy of `model` with scale.fsdp's activation checkpointing `mode` (None: none): its gradients,
+    and what its backward ran: each layer's input norm again (a recompute), and the matmuls."""
+    import copy
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from scale.fsdp import apply_activation_checkpointing
+    model = copy.deepcopy(model).train()
+    if mode:
+        apply_activation_checkpointing(model, mode)
+    norms = []
+    for layer in model.model.layers:
+        layer.input_layernorm.register_forward_hook(lambda *a: norms.append(torch.is_grad_enabled()))
+
+    class Matmuls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Matmuls.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+            return func(*args, **(kwargs or {}))
+    loss = model(input_ids=ids, labels=ids).loss
+    forward_norms = len(norms)
+    with Matmuls():
+        loss.backward()
+    return {n: p.grad for n, p in model.named_parameters()}, len(norms) - forward_norms, Matmuls.count
+
+
+def test_activation_checkpointing_gives_the_plain_gradients():
+    """scale.fsdp.apply_activation_checkpointing on a tiny random Llama (float64, one process): "full" and
+    "selective" give plain autograd's gradients; both recompute every layer in the backward (its norm runs
+    again), full its matmuls too, selective none of them (saved: the backward's matmuls are the plain
+    backward's)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).double()
+    ids = torch.randint(0, 128, (2, 16))
+    plain, plain_norms, plain_mm = checkpointed_backward(model, ids, None)
+    assert plain_norms == 0
+    for mode in ("full", "selective"):
+        grads, norms, mm = checkpointed_backward(model, ids, mode)
+        for name in plain:
+            torch.testing.assert_close(grads[name], plain[name], rtol=1e-10, atol=1e-12)
+        assert norms == 3, (mode, norms)  # every layer recomputed
+        assert mm > plain_mm if mode == "full" else mm == plain_mm, (mode, mm, plain_mm)
+    with pytest.raises(ValueError, match="'full' or 'selective'"):
+        checkpointed_backward(model, ids, "every other")
+
+
 def test_add_rows_sums_a_repeated_id_before_rounding():
     """scale.vocab_parallel.add_rows, sync-free (no unique): a bf16 gradient gets each distinct id's
     rows summed in fp32 and rounded once (1,000 rows of 1 at one id among others, the ids in any
@@ -199,6 +252,12 @@ ref, _ = cache_teacher.load_model(sys.argv[1])  # plain autograd, one process: t
 for x in ids:
     (ref(input_ids=x, labels=x).loss / world).backward()
 model, _ = cache_teacher.load_model(sys.argv[1], weights=rank == 0)
+if sys.argv[4] != "none":  # activation checkpointing, then FSDP2
+    # with it a forward has no KV cache, and transformers' check for packed sequences in the position ids
+    # then reads a value back once a forward: transformers' sync, not scale/'s, left out of the count
+    import transformers.masking_utils
+    transformers.masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    scale.fsdp.apply_activation_checkpointing(model, sys.argv[4])
 model = scale.fsdp.parallelize(model, device).train()  # the tied lookup that adds its rows too
 # what each unit holds while the backward runs: a DTensor weight = the unit is back to its shards
 embed, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -214,7 +273,10 @@ counted = HostSyncs()
 for m in range(2):  # two micro-batches, each reduce-scattered: the shards accumulate
     x = ids[2 * rank + m]
     with counted if m else contextlib.nullcontext():  # the second: FSDP's lazy init is done
-        model(input_ids=x, labels=x).loss.backward()
+        loss = model(input_ids=x, labels=x).loss
+        # which layers went back to their shards after the forward
+        seen["after forward"] = [isinstance(l.self_attn.q_proj.weight, DTensor) for l in model.model.layers]
+        loss.backward()
 diff = max((p.grad.full_tensor() - r.grad).abs().max().item()
            for p, r in zip(model.parameters(), ref.parameters()))
 # one file per rank: two ranks' prints on one pipe can interleave mid-line
@@ -225,13 +287,15 @@ torch.distributed.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_fsdp_gradients_and_what_a_backward_gathers(tokenizer, tmp_path, tied):
+@pytest.mark.parametrize("tied, checkpointing", [(True, "none"), (False, "selective")])
+def test_fsdp_gradients_and_what_a_backward_gathers(tokenizer, tmp_path, tied, checkpointing):
     """On 2 gloo ranks, FSDP2's reduce-scattered gradients (a tied lookup that adds its rows, gloo's
-    collectives in pieces of 4 KB, two micro-batches) equal plain autograd's mean over both ranks'
-    micro-batches in one process. And the embedding's weight is not held gathered where its values are not
-    needed: tied, the embedding/head unit is back to its shards during the layers' backward (it was gathered
-    until the lookup's backward, at the end); untied, the embedding is not gathered for its own backward."""
+    collectives in pieces of 4 KB, two micro-batches; untied, with selective activation checkpointing)
+    equal plain autograd's mean over both ranks' micro-batches in one process. And the embedding's weight is
+    not held gathered where its values are not needed: tied, the embedding/head unit is back to its shards
+    during the layers' backward (it was gathered until the lookup's backward, at the end); untied, the
+    embedding is not gathered for its own backward. The last layer, whose backward comes first, stays
+    gathered after the forward (it was resharded and gathered again at once), the others do not."""
     import torch
     from conftest import tiny_config
     from transformers import AutoModelForCausalLM
@@ -245,14 +309,14 @@ def test_fsdp_gradients_and_what_a_backward_gathers(tokenizer, tmp_path, tied):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", free_port(), str(script),
-                           str(tmp_path / "m"), str(ROOT), str(tmp_path)], env=env, capture_output=True, text=True,
+                           str(tmp_path / "m"), str(ROOT), str(tmp_path), checkpointing], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, torchrun_failure(proc.stdout, proc.stderr)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert max(r["diff"] for r in ranks) < 1e-6, ranks
     # (embedding sharded, head sharded) at each moment: nothing gathered (tied, the old code had the unit
     # gathered at both; untied, the embedding gathered for its own backward)
-    states = {"embedding backward": [True, True], "layer 0 backward": [True, True]}
+    states = {"embedding backward": [True, True], "layer 0 backward": [True, True], "after forward": [True, False]}
     for r in ranks:
         assert r["seen"] == states, ranks
     # a micro-batch's forward and backward read nothing back to the host (the lookup's id checks,
