@@ -56,7 +56,7 @@ from surgery import (LayerGates, LayerSearch, check_removable, decoder_layers, e
 # Settings: the paper's (Appendix E, Llama-2-7B's column) are every flag's default. "T/20" is a
 # fraction of the T training steps: the paper's 60 warm-up steps of 1200, so that a shorter budget
 # keeps the schedule's shape. --tokens is the budget: T = tokens / (batch x seq-len).
-PAPER = dict(tokens=1200 * 128 * 4096, batch_size=128, micro_batch=1, seq_len=4096, lr=1e-4,
+PAPER = dict(tokens=1200 * 128 * 4096, batch_size=128, seq_len=4096, lr=1e-4,
              warmup="T/20", eval_every="T/12", ckpt_every="T/6", search_frac=0.1, beta=0.9,
              topk=10, n_calib=40, score_lr=0.05, evo_offspring=32, evo_stages="2048:2,32768:1")
 # The demo is a preset, what runs with no --model: the packaged SmolLM2-135M, 30 -> 20 layers,
@@ -140,8 +140,8 @@ def parse_args(argv=None):
                    help="token budget: T = tokens / (batch-size x seq-len)")
     g.add_argument("--batch-size", type=int, default=PAPER["batch_size"],
                    help="GLOBAL batch in sequences, split over ranks and micro-batches")
-    g.add_argument("--micro-batch", type=int, default=PAPER["micro_batch"],
-                   help="sequences per forward on each rank")
+    g.add_argument("--micro-batch", type=int, help="sequences per forward on each rank (default: "
+                   "on a GPU the largest that fits, --plan's pick; on a CPU 1)")
     g.add_argument("--seq-len", type=int, help=f"tokens per sequence (default: a given --cache's, "
                    f"else {PAPER['seq_len']})")
     g.add_argument("--topk", type=int, default=PAPER["topk"], help="teacher top-K of a new cache")
@@ -161,8 +161,12 @@ def parse_args(argv=None):
     g.add_argument("--lora-rank", type=int, default=0,
                    help="> 0: train LoRA adapters only, merged at export (the paper's MoE runs)")
     g.add_argument("--lora-alpha", type=float, help="LoRA alpha (default: 2 x rank)")
-    g.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each layer's activations in the backward")
+    g.add_argument("--activation-checkpointing", nargs="?", const="full",
+                   choices=["none", "selective", "full"], help="recompute each layer's activations "
+                   "in the backward: full = all, keeping its input; selective = the cheap ops, "
+                   "keeping the matmuls' outputs (default: on a GPU only when memory needs it, "
+                   "--plan's pick; on a CPU none)")
+    g.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     g.add_argument("--logit-chunk", type=int, help="tokens a chunk of the LM head fused with the "
                    "loss (scale/fused_loss.py: no (B, T, V) logits); 0: the plain logits path, "
                    "kd.py (default: 256 under torchrun, 0 in one process)")
@@ -199,28 +203,39 @@ def lr_schedule(step, args):
 # The student: fp32 master weights, LoRA for the huge models, FSDP2 under torchrun
 
 def build_student(args, device, world, kept=None):
-    """The student as this run trains it: fp32, pruned to `kept` when resuming after the cut, LoRA
-    and activation checkpointing if asked; under torchrun sharded by FSDP2, rank 0 alone reading the
-    weights (the other ranks build it on the meta device and receive their shards)."""
+    """The student as this run trains it: fp32, pruned to `kept` when resuming after the cut, then
+    parallelize_student's. Under torchrun rank 0 alone reads the weights (the other ranks build it on
+    the meta device and receive their shards)."""
     rank = torch.distributed.get_rank() if world > 1 else 0
     model, tok = load_model(args.model, "cpu", torch.float32, weights=rank == 0)
     model.config.use_cache = False  # no KV cache in a training forward
     if kept is not None:
         remove_layers(model, kept)
+    return parallelize_student(model, args, device, world), tok
+
+
+def parallelize_student(model, args, device, world):
+    """Everything that makes the model fast or small, in one place (torchtitan's parallelize):
+    LoRA, activation checkpointing and per-layer compile if asked; under torchrun, or with the fused
+    LM head, FSDP2 by scale.fsdp.parallelize. The training step never asks which applied."""
     if args.lora_rank:  # before sharding: FSDP shards the adapters with their layers
         from scale.lora import add_lora
         add_lora(model, args.lora_rank, args.lora_alpha, args.seed)
-    if args.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.activation_checkpointing != "none":
+        from scale.fsdp import apply_activation_checkpointing
+        apply_activation_checkpointing(model, args.activation_checkpointing)
+    if args.compile:  # each layer its own graph, before FSDP2 wraps it: the names stay the same
+        from scale.compile import compile_layers
+        compile_layers(model)
     if world == 1 and not args.logit_chunk:
-        return model.to(device).train(), tok
+        return model.to(device).train()
     # FSDP2, torchtitan's layout; its plain form is
     #     for layer in decoder_layers(model): fully_shard(layer)
     #     fully_shard(model)
     # and scale.parallelize adds the memory machinery (docs/scale.md): the embedding and LM head
     # split by vocabulary rows, gloo's collectives in pieces, rank 0's weights sent as shards
     from scale.fsdp import parallelize
-    return parallelize(model, device, fused_loss=bool(args.logit_chunk)).train(), tok
+    return parallelize(model, device, fused_loss=bool(args.logit_chunk)).train()
 
 
 def make_optimizer(model, args, carried=None):
@@ -375,6 +390,7 @@ class GumbelTopKSearch(LayerSearch):
         # it would pull every score towards 0, a uniform choice
         self.opt = torch.optim.Adam([self.S], lr=args.score_lr)
         self.gen = torch.Generator().manual_seed(args.seed)  # the same draws on every rank
+        self.free = torch.tensor([i for i in range(L) if i not in protected], device=device)
 
     def begin_step(self, t):
         """Alg. 1 l.2: tau_t = 1 - beta t / T_M and k'_t = L - ceil((L - k) t / T_M), over the
@@ -382,18 +398,19 @@ class GumbelTopKSearch(LayerSearch):
         all its micro-batches (the step is one sample M of the law), or --masks-per-step of them."""
         self.tau = tau_schedule(t, self.steps, self.args.beta)
         self.k_t = k_schedule(t, self.steps, self.L, self.args.keep)
-        self.noise = [gumbel_noise((self.L,), self.gen) for _ in range(self.args.masks_per_step)]
+        # drawn on the CPU (the same numbers on any device), moved once a step, not a micro-batch
+        self.noise = [gumbel_noise((self.L,), self.gen).to(self.S.device, non_blocking=True)
+                      for _ in range(self.args.masks_per_step)]
         self.opt.param_groups[0]["lr"] = score_lr_schedule(t, self.steps, self.args.score_lr,
                                                            self.args.score_lr_schedule)
 
     def sample_mask(self, j=0):
         """Alg. 1 l.4: M = Gumbel-TopK(S, tau_t, k'_t) over the unprotected layers (the protected
         are 1 and count in k'_t): exactly 0/1 in value, dM~/dS in gradient (eq. 7)."""
-        free = [i for i in range(self.L) if i not in self.protected]
         noise = self.noise[j % len(self.noise)]
-        sub = gumbel_topk(self.S[free], self.k_t - len(self.protected), self.tau, noise=noise[free])
-        index = torch.tensor(free, device=self.S.device)
-        return torch.ones(self.L, device=self.S.device).index_put((index,), sub)
+        sub = gumbel_topk(self.S[self.free], self.k_t - len(self.protected), self.tau,
+                          noise=noise[self.free])
+        return torch.ones(self.L, device=self.S.device).index_put((self.free,), sub)
 
     def step(self):
         """Alg. 1 l.5: S <- S - lr_S dL/dS. Each rank's dL/dS comes from its own micro-batches: the
@@ -555,6 +572,26 @@ def resolve_args(args, L, world, cache=None):
     args.search_steps = max(1, t_m) if in_loop else 0
 
 
+def fit_to_device(args, world):
+    """--micro-batch and --activation-checkpointing left unset: on a GPU the plan's pick for this
+    card (scale/plan.py: checkpointing only when memory needs it, then the largest micro-batch that
+    fits); on a CPU one sequence a forward, no checkpointing."""
+    if args.device.type != "cuda":
+        args.micro_batch = args.micro_batch or 1
+        args.activation_checkpointing = args.activation_checkpointing or "none"
+    if args.micro_batch and args.activation_checkpointing:
+        return
+    from scale.fsdp import meta_model
+    from scale.plan import choose
+    card = torch.cuda.get_device_properties(args.device).total_memory
+    micro, mode, _ = choose(args, meta_model(args)[0], world, card)
+    if micro is None:
+        print0("warning: the plan finds no micro-batch that fits this GPU (prune.py --plan): "
+               "trying one sequence with full checkpointing")
+    args.micro_batch, args.activation_checkpointing = micro or 1, mode or "full"
+    print0(f"micro-batch {args.micro_batch}, activation checkpointing {args.activation_checkpointing}")
+
+
 def check_args(args, config, L, world):
     """Every flag checked against the model and the world before any work: one error line for the
     first that cannot run, a warning for each layout an engine would serve differently. Returns
@@ -608,22 +645,28 @@ def full_teacher(args, cache):
 def make_losses(args, vocab, world):
     """losses(model, batch, kinds): kd.py's on the plain logits, or under --logit-chunk the LM head
     fused with the loss (scale/fused_loss.py), checked against kd.py's at first use."""
-    losses = plain_losses(vocab, autocast=args.device.type == "cuda" and world == 1)
+    autocast = args.device.type == "cuda" and world == 1  # bf16 matmuls; FSDP2 casts by its policy
+    losses = plain_losses(vocab, autocast=autocast)
     if args.logit_chunk:
         from scale.fused_loss import FusedLoss
-        losses = FusedLoss(vocab, args.logit_chunk, reference=losses)
+        losses = FusedLoss(vocab, args.logit_chunk, reference=losses, autocast=autocast)
     return losses
 
 
 def print_plan(args, ranks):
-    """--plan RANKS: the run's plan from config.json alone, the model on the meta device."""
+    """--plan RANKS: the run's plan from config.json alone, the model on the meta device: its
+    steps and memory, then per GPU kind the micro-batch and checkpointing that fit and the hours
+    (scale/plan.py); the last line one JSON object."""
     from scale.fsdp import meta_model
+    from scale.plan import plan
     model, bytes_a_token = meta_model(args)
     L = len(decoder_layers(model))
     resolve_args(args, L, ranks)
     check_args(args, model.config, L, ranks)
-    print(plan_line(args, ranks, model, L, cache_bytes=bytes_a_token * args.steps *
-                    args.batch_size * args.seq_len))
+    cache_bytes = bytes_a_token * args.steps * args.batch_size * args.seq_len
+    lines, summary = plan(args, model, L, ranks, cache_bytes=cache_bytes)
+    print("\n".join([plan_line(args, ranks, model, L, cache_bytes=cache_bytes), *lines]))
+    print(json.dumps(summary))
 
 
 # -----------------------------------------------------------------------------
@@ -732,6 +775,7 @@ def main(argv=None):
     L = len(decoder_layers(shape))
     cache = TeacherCache(args.cache, tok, seq_len=args.seq_len) if args.cache else None
     resolve_args(args, L, world, cache)
+    fit_to_device(args, world)
     protected = check_args(args, shape.config, L, world)
     T, T_M = args.steps, args.search_steps
     args.out = args.out or f"runs/{Path(args.model).name}-keep{args.keep}"

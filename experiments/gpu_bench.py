@@ -46,10 +46,8 @@ time goes".
 """
 import argparse
 import gc
-import inspect
 import json
 import math
-import os
 import sys
 import tempfile
 import time
@@ -57,7 +55,6 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts live at the repo root
 import prune  # noqa: E402
@@ -146,44 +143,22 @@ def flops(cfg, seq, train=True):
 
 
 def student(cfg, device, path, compiled, ac):
-    """The student as prune.build_student makes it (fp32 master weights, no KV cache, FSDP2 under
-    torchrun, parallelize's one-process form for the fused head), checkpointing and compile first."""
+    """A random-initialised student made ready as prune.py makes it (prune.parallelize_student:
+    checkpointing, compile, FSDP2 under torchrun or the fused head's one-process form)."""
     model = random_model(cfg, device, torch.float32)
     model.config.use_cache = False
-    if ac != "none":
-        checkpointing(model, ac)
-    if compiled:
-        from scale.compile import compile_layers
-        compile_layers(model)
-    if path == "plain":
-        return model.train()
-    from scale.fsdp import parallelize
-    return parallelize(model, device, fused_loss=True).train()
+    settings = run_args(path, device)
+    settings.compile, settings.activation_checkpointing = compiled, ac
+    return prune.parallelize_student(model, settings, device, 1)
 
 
-def checkpointing(model, mode):
-    """scale.fsdp.apply_activation_checkpointing where it exists; else HF's full recompute, what
-    prune.py's --activation-checkpointing has done."""
-    import scale.fsdp
-    if hasattr(scale.fsdp, "apply_activation_checkpointing"):
-        return scale.fsdp.apply_activation_checkpointing(model, mode)
-    if mode != "full":
-        raise NotImplementedError(f"'{mode}' checkpointing: scale.fsdp has no "
-                                  f"apply_activation_checkpointing")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def losses_for(path, vocab, device):
-    """prune.py's losses for the path: kd.py's on the logits, or the fused head (chunks of 256 as
-    under torchrun), autocast on a GPU. Returns (losses, whether the fused head got autocast)."""
-    autocast = device.type == "cuda"
-    plain = prune.plain_losses(vocab, autocast=autocast)
-    if path == "plain":
-        return plain, autocast
-    from scale.fused_loss import FusedLoss
-    takes = "autocast" in inspect.signature(FusedLoss).parameters
-    fused = FusedLoss(vocab, CHUNK, reference=plain, **({"autocast": autocast} if takes else {}))
-    return fused, takes and autocast
+def run_args(path, device):
+    """prune.py's settings for a path (its defaults: the lr, weight decay, gradient clip), resolved
+    as prune.py does in one process: the plain head, or the fused one in chunks of 256 tokens."""
+    args = prune.parse_args(["--model", "bench", "--keep", "1", "--logit-chunk",
+                             str(CHUNK if path == "fused" else 0)])
+    args.device, args.out = device, "(the bench)"
+    return args
 
 
 def cache_batch(cfg, seq, micro, device, seed):
@@ -201,21 +176,6 @@ def cache_batch(cfg, seq, micro, device, seed):
 
 # -----------------------------------------------------------------------------
 # Steps and timing
-
-def train_step(model, opt, losses, batches, grad_clip):
-    """One optimizer step as prune.py's loop makes it: each micro-batch's AKD loss at weight
-    1 / micro-batches, its backward, then the gradient clip and AdamW. The loss summed on the
-    device."""
-    total = torch.zeros((), device=batches[0]["input_ids"].device)
-    for batch in batches:
-        (loss,) = losses(model, {**batch, "weight": 1 / len(batches)}, ["akd"])
-        loss.backward()
-        total += loss.detach()
-    nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], grad_clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return total
-
 
 def sync(device):
     if device.type == "cuda":
@@ -283,19 +243,20 @@ def free(device):
 def train_run(args, shape, path, compiled, ac, device):
     cfg, (seq, micro) = config(shape, args.shape_table), args.shape_table[shape][1:]
     model = student(cfg, device, path, compiled, ac)
-    run_args = prune.parse_args([])  # prune.py's defaults: the lr, weight decay, gradient clip
-    opt = prune.make_optimizer(model, run_args)
-    losses, autocast = losses_for(path, cfg.vocab_size, device)
-    batches = [cache_batch(cfg, seq, micro, device, seed=m) for m in range(N_MICRO)]
-    step = lambda: train_step(model, opt, losses, batches, run_args.grad_clip)  # noqa: E731
+    settings = run_args(path, device)
+    opt = prune.make_optimizer(model, settings)
+    losses = prune.make_losses(settings, cfg.vocab_size, 1)  # autocast on a GPU, as prune.py's
+    # prune.py's training step itself: each micro-batch's AKD loss at weight 1 / micro-batches,
+    # its backward, the loss summed on the device and read once, the clip, AdamW
+    batches = [{**cache_batch(cfg, seq, micro, device, seed=m), "weight": 1 / N_MICRO}
+               for m in range(N_MICRO)]
+    step = lambda: prune.train_step(model, opt, losses, batches, "akd", 1, settings)  # noqa: E731
     warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2 + compiled)
-    seconds, loss = timed(step, warmup, args.steps, device)
-    if not torch.isfinite(loss).item():
-        raise RuntimeError(f"loss {loss.item()}")
+    seconds, _ = timed(step, warmup, args.steps, device)  # a NaN loss stops it (E3Error)
     tokens = N_MICRO * micro * seq
     record = {"tokens_per_step": tokens, "seconds_per_step": round(seconds, 4),
-              "tok_s": round(tokens / seconds), "peak_gb": peak_memory(device), "autocast": autocast,
-              "flops_per_token": flops(cfg, seq)}
+              "tok_s": round(tokens / seconds), "peak_gb": peak_memory(device),
+              "autocast": device.type == "cuda", "flops_per_token": flops(cfg, seq)}
     if args.profile and not compiled and ac == "none":
         record["profile"] = profile(step, device)
     return record
@@ -319,7 +280,7 @@ def saved_bytes(args, shape, depth, mode, path, device):
     layers, after a step that set up the lazy state; None on a CPU (no allocator to read)."""
     cfg, (seq, micro) = config(shape, args.shape_table, depth), args.shape_table[shape][1:]
     model = student(cfg, device, path, False, mode)
-    losses, _ = losses_for(path, cfg.vocab_size, device)
+    losses = prune.make_losses(run_args(path, device), cfg.vocab_size, 1)
     batch = cache_batch(cfg, seq, micro, device, seed=0)
     for measure in (False, True):
         sync(device)

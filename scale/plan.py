@@ -198,11 +198,14 @@ def memory(args, model, ranks, micro_batch, mode, measured=None):
 def choose(args, model, ranks, card_bytes, measured=None):
     """The run's micro-batch and checkpointing on `ranks` cards of card_bytes each: checkpointing only
     when memory needs it (none, then selective, then full), and with it the largest micro-batch (a
-    divisor of the batch a rank runs) that fits USABLE of the card. Returns (micro_batch, mode,
-    memory by part); (None, None, the smallest run's memory) where nothing fits."""
+    divisor of the batch a rank runs) that fits USABLE of the card; a --micro-batch or
+    --activation-checkpointing given is kept. Returns (micro_batch, mode, memory by part); (None,
+    None, the smallest run's memory) where nothing fits."""
     per_rank = args.batch_size // ranks
     sizes = [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
-    for mode in MODES:
+    sizes = [args.micro_batch] if getattr(args, "micro_batch", None) else sizes
+    modes = [args.activation_checkpointing] if getattr(args, "activation_checkpointing", None) else MODES
+    for mode in modes:
         for m in sizes:
             parts = memory(args, model, ranks, m, mode, measured)
             if sum(parts.values()) <= USABLE * card_bytes:

@@ -19,7 +19,7 @@ QWEN3_32B = dict(model_type="qwen3", hidden_size=5120, num_hidden_layers=64, num
                  tie_word_embeddings=False)
 SEQ, BATCH, T, T_M = 4096, 128, 1200, 120  # the paper's: 1200 steps of 128 x 4096, a 10% search
 H100, H200 = 0.9 * 80e9, 0.9 * 141e9  # usable bytes of a card
-resolve = getattr(prune, "resolve_args", None) or prune.settle  # T, T_M, the logit chunk for L, ranks
+resolve = prune.resolve_args  # T, T_M, the logit chunk for L, ranks
 
 
 def planned(tmp_path, config, keep, ranks):
@@ -157,3 +157,28 @@ def test_routed_experts_count_at_their_share():
     ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GeForce RTX 4090", None), (None, None)])
 def test_peak_by_device_name(name, peak):
     assert P.peak_flops(name) == peak
+
+
+def test_prune_py_plan_ends_with_one_json_object(tmp_path):
+    """`prune.py --model M --keep 13 --plan 8` from config.json alone: its last line is the summary,
+    against the hand count of Llama-2-7B (params, tokens, FLOPs) and the keys a user scripts on."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    from transformers import AutoConfig
+    cfg = dict(LLAMA2_7B)
+    AutoConfig.for_model(cfg.pop("model_type"), **cfg).save_pretrained(tmp_path)
+    root = Path(prune.__file__).resolve().parent
+    r = subprocess.run([sys.executable, str(root / "prune.py"), "--model", str(tmp_path), "--keep",
+                        "13", "--plan", "8"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout.strip().splitlines()[-1])
+    d, I, V, L, layer, params = llama2_counts()
+    assert s["params"] == params and s["tokens"] == T * BATCH * SEQ
+    train = BATCH * SEQ * (T_M * (6 * (L * layer + V * d) + 12 * L * SEQ * d)
+                           + (T - T_M) * (6 * (13 * layer + V * d) + 12 * 13 * SEQ * d))
+    assert s["train_flops"] == pytest.approx(train, rel=1e-12)
+    assert s["micro_batch"] >= 1 and s["activation_checkpointing"] in ("none", "selective", "full")
+    assert set(s["hours"]) == {"H100", "H200", "A100"} and s["gb_per_rank"] < 80
+    assert s["mfu"] and s["cache_flops"] > 0
