@@ -252,11 +252,13 @@ ref, _ = cache_teacher.load_model(sys.argv[1])  # plain autograd, one process: t
 for x in ids:
     (ref(input_ids=x, labels=x).loss / world).backward()
 model, _ = cache_teacher.load_model(sys.argv[1], weights=rank == 0)
-if sys.argv[4] != "none":  # activation checkpointing, then FSDP2
+if sys.argv[4] != "none":  # activation checkpointing and compile, then FSDP2
     # with it a forward has no KV cache, and transformers' check for packed sequences in the position ids
     # then reads a value back once a forward: transformers' sync, not scale/'s, left out of the count
     import transformers.masking_utils
     transformers.masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    from scale.compile import compile_layers  # and the layers compiled (AOTAutograd's graphs: seconds)
+    compile_layers(model, backend="aot_eager")
     scale.fsdp.apply_activation_checkpointing(model, sys.argv[4])
 model = scale.fsdp.parallelize(model, device).train()  # the tied lookup that adds its rows too
 # what each unit holds while the backward runs: a DTensor weight = the unit is back to its shards
@@ -281,7 +283,8 @@ diff = max((p.grad.full_tensor() - r.grad).abs().max().item()
            for p, r in zip(model.parameters(), ref.parameters()))
 # one file per rank: two ranks' prints on one pipe can interleave mid-line
 with open(f"{sys.argv[3]}/rank{rank}.json", "w") as f:
-    json.dump({"diff": diff, "seen": {k: list(v) for k, v in seen.items()}, "syncs": counted.syncs}, f)
+    json.dump({"diff": diff, "seen": {k: list(v) for k, v in seen.items()}, "syncs": counted.syncs,
+               "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}, f)
 torch.distributed.barrier()  # no rank closes its connections while another still uses them
 torch.distributed.destroy_process_group()
 """
@@ -290,7 +293,8 @@ torch.distributed.destroy_process_group()
 @pytest.mark.parametrize("tied, checkpointing", [(True, "none"), (False, "selective")])
 def test_fsdp_gradients_and_what_a_backward_gathers(tokenizer, tmp_path, tied, checkpointing):
     """On 2 gloo ranks, FSDP2's reduce-scattered gradients (a tied lookup that adds its rows, gloo's
-    collectives in pieces of 4 KB, two micro-batches; untied, with selective activation checkpointing)
+    collectives in pieces of 4 KB, two micro-batches; untied, with selective activation checkpointing and
+    the layers compiled)
     equal plain autograd's mean over both ranks' micro-batches in one process. And the embedding's weight is
     not held gathered where its values are not needed: tied, the embedding/head unit is back to its shards
     during the layers' backward (it was gathered until the lookup's backward, at the end); untied, the
@@ -322,6 +326,7 @@ def test_fsdp_gradients_and_what_a_backward_gathers(tokenizer, tmp_path, tied, c
     # a micro-batch's forward and backward read nothing back to the host (the lookup's id checks,
     # its boolean-mask indexing and unique, the gather's scalar all-reduce of the token count did)
     assert [r["syncs"] for r in ranks] == [[], []], ranks
+    assert [r["graphs"] for r in ranks] == ([0, 0] if checkpointing == "none" else [1, 1]), ranks  # compiled
 
 
 CHUNKED = r"""
