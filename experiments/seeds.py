@@ -7,6 +7,8 @@ and goes on, later and elsewhere, where it stopped; and the tables made from the
   python experiments/seeds.py table [RESULTS_DIR]        # markdown: mean +- sd, min-max, paired
   python experiments/seeds.py targets [RESULTS_DIR] [-4x]  # the teacher targets' table (compare.sh
                                                            # targets; -4x: its X4=1 runs)
+  python experiments/seeds.py search [RESULTS_DIR]       # how far each search moved S, and the
+                                                         # set it kept against KL one-shot's
   RESULTS_DIR: a folder of run JSONs, or several, comma-separated (a series made on two machines)
 
 Statistics, per method and held-out corpus, over the seeds that finished:
@@ -34,6 +36,18 @@ METHODS = ["shortgpt", "minitron", "sheared", "kl-oneshot", "random", "evo", "e3
            "topk-kd", "topk-akd", "tail-kd", "tail-akd", "sampled8-kd", "sampled12-kd", "sampled24-kd",
            "sampled8-akd", "sampled12-akd", "sampled24-akd", "hybrid-kd", "hybrid-akd", "hybrid16-kd",
            "full-kd", "e3-hybrid", "e3-hybrid16"]
+# compare.sh paper-regime: the paper's schedule (T = 1200, T_M = 120), per model; the search-batch
+# arms name the tokens of one search step (the fine-tune's batch unchanged)
+PAPER_MODELS = {"": "SmolLM2-135M 30 -> 20", "-gemma": "Gemma-3-270M 18 -> 12"}
+PAPER_METHODS = {"kl-oneshot": "KL one-shot + AKD", "evo": "evolutionary search + AKD",
+                 "e3-akd": "E3 (AKD)", "e3-sb1k": "E3 (AKD), 1K-token search steps",
+                 "e3-sb4k": "E3 (AKD), 4K-token search steps",
+                 "e3-sb64k": "E3 (AKD), 64K-token search steps",
+                 "e3-sb128k": "E3 (AKD), 128K-token search steps"}
+PAPER_RUNS = {f"{m}-paper{cpu}{x}": f"{label}, paper schedule{' at 1K tokens a step (CPU)' if cpu else ''}"
+              f", {model}" for m, label in PAPER_METHODS.items() for x, model in PAPER_MODELS.items()
+              for cpu in ("", "-cpu")}
+METHODS += list(PAPER_RUNS)
 LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitron-style (BI + KD)",
           "sheared": "Sheared-style (L0 + KD)", "kl-oneshot": "KL one-shot + AKD",
           "random": "random search + AKD", "evo": "evolutionary search + AKD",
@@ -61,7 +75,8 @@ LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitr
                              ("sampled8", "sampled N = 8"), ("sampled12", "sampled N = 12"),
                              ("sampled24", "sampled N = 24"), ("hybrid", "top-8 + 12 draws from the rest"),
                              ("hybrid16", "top-16 + 24 draws from the rest"), ("full", "full-vocabulary"))
-             for loss in ("kd", "akd")}}
+             for loss in ("kd", "akd")},
+          **PAPER_RUNS}
 PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot"),
          ("e3-akd", "evo"), ("e3-calib-mix", "kl-calib-mix"),
          ("e3-mix", "kl-calib-mix"), ("e3-mix", "kl-oneshot"), ("evo-mix", "kl-calib-mix"),
@@ -81,6 +96,45 @@ PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot
          ("full-kd-4x", "full-kd"), ("hybrid-kd", "full-kd"), ("hybrid-kd", "sampled24-kd"),
          ("hybrid-akd", "full-kd"), ("hybrid-kd-4x", "full-kd-4x"), ("hybrid-kd-4x", "hybrid-kd"),
          ("e3-hybrid", "e3-akd"), ("e3-hybrid", "hybrid-akd"), ("e3-hybrid16", "e3-hybrid")]
+# at the paper's schedule: each search (and each search batch) against KL one-shot, per model
+PAIRS += [(f"{m}-paper{cpu}{x}", f"kl-oneshot-paper{cpu}{x}") for x in PAPER_MODELS
+          for cpu in ("", "-cpu") for m in PAPER_METHODS if m != "kl-oneshot"]
+GUMBEL_SD = math.pi / math.sqrt(6)  # the sd of the standard Gumbel noise added to S: 1.28
+
+
+def kl_top_k(scores, k, L, protect_first=1, protect_last=1):
+    """KL one-shot's kept set from the initial scores: the protected layers and the top of the rest
+    (surgery.top_k_layers' rule, on a list)."""
+    protected = set(range(protect_first)) | set(range(L - protect_last, L))
+    free = sorted((i for i in range(L) if i not in protected), key=lambda i: -scores[i])
+    return sorted(protected | set(free[:k - len(protected)]))
+
+
+def search_record(info):
+    """How far the search moved the scores, against the gaps it had to overturn and the noise it
+    drew through, and the set it kept against KL one-shot's (the top-k of the same S_0):
+      moved_max, moved_mean  max and mean |S_T - S_0| over the unprotected layers
+      cut_gap                S_0's gap at the cut: the k-th kept minus the best removed score
+      gap_median             the median gap between neighbours in S_0's sorted unprotected scores
+      gumbel_sd              the noise's sd (1.28): a gap far below it is a coin toss every step
+      kl_kept, jaccard_kl    KL one-shot's set and |kept & KL| / |kept | KL|; swapped: layers in
+                             one set and not the other, each way"""
+    s0, kept, L = info.get("initial_scores"), info.get("kept_layers"), info.get("layers_before")
+    flags = info.get("flags") or {}
+    if not (s0 and kept and L) or flags.get("init") == "given":
+        return None
+    sT = info.get("final_scores") or s0
+    pf, pl = flags.get("protect_first", 1), flags.get("protect_last", 1)
+    free = [i for i in range(L) if i >= pf and i < L - pl]
+    kl = kl_top_k(s0, len(kept), L, pf, pl)
+    order = sorted((s0[i] for i in free), reverse=True)
+    n = len(kept) - (L - len(free))  # unprotected layers kept
+    moved = [abs(sT[i] - s0[i]) for i in free]
+    return {"moved_max": max(moved), "moved_mean": statistics.mean(moved),
+            "cut_gap": order[n - 1] - order[n], "gap_median": statistics.median(
+                a - b for a, b in zip(order, order[1:])), "gumbel_sd": GUMBEL_SD, "kl_kept": kl,
+            "jaccard_kl": len(set(kept) & set(kl)) / len(set(kept) | set(kl)),
+            "swapped": len(set(kept) - set(kl))}
 
 
 def record(run_dir, method, seed, out, *evals):
@@ -95,6 +149,7 @@ def record(run_dir, method, seed, out, *evals):
            "tokens_trained": info.get("tokens_trained"),
            "search_forward_tokens": info.get("search_forward_tokens", 0),
            "minutes": done[-1].get("minutes") if done else None, "flags": info.get("flags"),
+           "search": search_record(info),
            "python": platform.python_version(), "torch": torch.__version__, "corpora": {}}
     for path in evals:
         rep = json.loads(Path(path).read_text())
@@ -229,11 +284,35 @@ def targets_table(results_dir=RESULTS, budget=""):
     return "\n".join(lines)
 
 
+def search_table(results_dir=RESULTS):
+    """Per method (the runs recorded with their scores): how far the search moved S against S_0's
+    gaps and the Gumbel noise, and its kept set against KL one-shot's; mean (min-max) over seeds."""
+    by = load(results_dir)
+    rows = [m for m in METHODS if m in by] + sorted(set(by) - set(METHODS))
+    lines = [f"Scores moved by the search against S_0's gaps and the Gumbel noise (sd {GUMBEL_SD:.2f}), "
+             "and the kept set against KL one-shot's (the top-k of the same S_0):", "",
+             "| method | seeds | max |S_T - S_0| | mean |S_T - S_0| | gap at the cut | median gap "
+             "| Jaccard with KL's set | layers swapped | kept sets |", "|---|---|---|---|---|---|---|---|---|"]
+    for m in rows:
+        runs = [by[m][s] for s in sorted(by[m]) if by[m][s].get("search")]
+        if not runs:
+            continue
+        col = lambda k, spec=".3f": fmt([r["search"][k] for r in runs], spec).replace(" (1 seed)", "")  # noqa: E731
+        sets = {ranges(r["kept_layers"]) for r in runs}
+        lines.append(f"| {LABELS.get(m, m)} | {','.join(str(r['seed']) for r in runs)} | "
+                     f"{col('moved_max', '.2f')} | {col('moved_mean', '.2f')} | {col('cut_gap')} | "
+                     f"{col('gap_median')} | {col('jaccard_kl', '.2f')} | {col('swapped', '.1f')} | "
+                     f"{len(sets)} distinct |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     cmd, *rest = sys.argv[1:] or ["table"]
     if cmd == "record":
         print(json.dumps(record(*rest), indent=1))
     elif cmd == "targets":  # python experiments/seeds.py targets [RESULTS_DIR [-4x]]
         print(targets_table(*rest))
+    elif cmd == "search":
+        print(search_table(*rest))
     else:
         print(table(*rest))
