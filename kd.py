@@ -19,10 +19,10 @@ on the other V - K tokens, and its minimum, p_s,c = p_t,c / sum_K p_t, puts none
 Beyond the paper, targets without that bias (kd.TARGETS; each batch's "targets" names its kind):
   tail     K + 1 classes: the top-K and the rest lumped, 1 - sum_K p_t against the student's own
            mass off those K (prune.py --kd-tail, any top-K cache)
-  sampled  N draws a position x_j ~ p_t (cache_teacher.py --targets sampled): the KL from their
-           empirical distribution, whose gradient softmax(z_s) - (the draws' shares) is the full
-           KL's, softmax(z_s) - p_t, in expectation (Anshumann et al., "Sparse Logit Sampling",
-           arXiv 2503.16870)
+  sampled  N raw draws a position x_j ~ p_t, repeats kept (cache_teacher.py --targets sampled):
+           the KL from their empirical distribution, whose gradient is the full KL's in
+           expectation, as in Anshumann et al.'s "Sparse Logit Sampling" (arXiv 2503.16870), which
+           stores the distinct tokens of more draws with their weights instead
   hybrid   the top-K exactly, N draws from the rest (--targets hybrid): eq. 12's sum + r_t times the
            rest's sampled KL, r_t = 1 - sum_K p_t; unbiased, the variance ~r_t^2 times sampled's
   full     the teacher's whole distribution, run beside the student (--kd-full, one process)
@@ -92,9 +92,10 @@ def hybrid_token_kl(logp_s, topk_ids, topk_logprobs, sample_ids):
 
 
 def full_token_kl(logp_s, teacher_logits):
-    """L_token over the whole vocabulary: KL(p_t || p_s) = sum_v p_t,v (log p_t,v - log p_s,v)."""
+    """L_token over the whole vocabulary: KL(p_t || p_s) = sum_v p_t,v (log p_t,v - log p_s,v); a
+    masked teacher entry (logit -inf) adds 0 log 0 = 0."""
     logp_t = F.log_softmax(teacher_logits.float(), dim=-1)
-    return (logp_t.exp() * (logp_t - logp_s)).sum(-1)
+    return (logp_t.exp() * (logp_t.clamp(min=torch.finfo(logp_t.dtype).min) - logp_s)).sum(-1)
 
 
 # L_token of each kind of teacher targets: fn(the student's log-probs (B, T, V), batch) -> (B, T)

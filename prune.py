@@ -18,13 +18,10 @@ Face causal LM and recover its quality cheaply. main() reads top-down as the pap
   python prune.py --model M --keep K           # one process, the paper's settings
   torchrun --nproc_per_node 8 prune.py --model meta-llama/Llama-2-7b-hf --keep 13
   python prune.py --model M --keep K --plan 8  # the plan for 8 ranks, from config.json alone
-  python prune.py ... --resume                 # on from the newest checkpoint in --out
 
-Under torchrun the model is sharded with FSDP2 (scale/, applied by one call in build_student) and
-the LM head runs fused with the loss (scale/fused_loss.py). A method is a name in a registry, the
-paper's beside the baselines' (whose code is in baselines/, imported only when a flag names it):
-IMPORTANCE (--init), SEARCHES (--search) and kd.LOSSES (--loss, --search-loss); a fork registers its
-own at import time and its flags accept it (README, "How to fork").
+Under torchrun the model is sharded with FSDP2 (scale/, by one call: parallelize_student). A method
+is a name in a registry, the paper's beside the baselines' (baselines/, imported when named):
+IMPORTANCE (--init), SEARCHES (--search), kd.LOSSES (--loss, --search-loss); a fork adds its own.
 """
 import argparse
 import contextlib
@@ -36,6 +33,7 @@ import shutil
 import time
 import warnings
 from fractions import Fraction
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -84,8 +82,7 @@ def parse_args(argv=None):
                                 epilog="Defaults are the paper's (Appendix E); without --model "
                                        f"the demo preset applies on top: {DEMO}")
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", help="HF checkpoint folder or hub id (default: the demo's packaged "
-                                   "SmolLM2-135M)")
+    g.add_argument("--model", help="HF checkpoint folder or hub id (default: the demo's model)")
     g.add_argument("--keep", type=int, help="decoder layers to keep, k (required with --model)")
     g.add_argument("--cache", help="teacher cache folder from cache_teacher.py (default: build one)")
     g.add_argument("--data", help="corpus for the cache and the calibration: .txt/.md, .jsonl or "
@@ -94,54 +91,41 @@ def parse_args(argv=None):
     g.add_argument("--assistant-only", action="store_true", help="chats: loss on the reply only")
     g.add_argument("--out", help="run folder (default: runs/<model>-keep<k>)")
     g = p.add_argument_group("stage 1: importance (Sec. 3.2)")
-    g.add_argument("--init", choices=sorted(IMPORTANCE), default="kl",
-                   help="S_0, a name in IMPORTANCE: kl = KL with the layer bypassed (the paper); "
-                        "bi = ShortGPT's Block Influence (baselines/shortgpt.py); random = N(0, 1)")
-    g.add_argument("--layers", type=layer_list, help="keep exactly these layers (0,1,4,...): no "
-                   "importance, no search, fine-tuning only")
+    g.add_argument("--init", choices=sorted(IMPORTANCE), default="kl", help="S_0: kl = KL with "
+                   "the layer bypassed (the paper); bi = ShortGPT's Block Influence; random")
+    g.add_argument("--layers", type=layer_list, help="keep these (0,1,4,...): fine-tuning only")
     g.add_argument("--n-calib", type=int, default=PAPER["n_calib"], help="calibration sequences")
     g.add_argument("--calib-data", help="the calibration text, if not --data (or the cache)")
     g.add_argument("--protect-first", type=int, default=1, help="first layers never pruned")
     g.add_argument("--protect-last", type=int, default=1, help="last layers never pruned")
     g = p.add_argument_group("stage 2: the layer search (Sec. 3.2, Alg. 1-2)")
-    g.add_argument("--search", choices=sorted(SEARCHES), default="gumbel",
-                   help="a name in SEARCHES: gumbel = Gumbel-TopK (the paper); none = the top-k of "
-                        "S_0; baselines/: l0 = Sheared-LLaMA's hard-concrete masks, evo = EvoPress's "
-                        "evolutionary search from the top-k of S_0, random = the best of random "
-                        "sets at evo's budget")
+    g.add_argument("--search", choices=sorted(SEARCHES), default="gumbel", help="gumbel: the "
+                   "paper's; none: the top-k of S_0; baselines/: l0 (Sheared-LLaMA), evo "
+                   "(EvoPress, from S_0's top-k), random (best random set at evo's budget)")
     g.add_argument("--search-frac", type=float, default=PAPER["search_frac"], help="T_M / T")
     g.add_argument("--beta", type=float, default=PAPER["beta"], help="tau: from 1 to 1 - beta")
-    g.add_argument("--score-lr", type=float, default=PAPER["score_lr"],
-                   help="Adam lr of the scores S (the paper gives none)")
-    g.add_argument("--masks-per-step", type=int, default=1, help="Gumbel draws a step: global "
-                   "micro-batch j runs draw j mod N (an ablation)")
-    g.add_argument("--score-scale", type=float, default=1.0,
-                   help="S_0 = c x the importance: its gaps against the Gumbel noise (an ablation)")
+    g.add_argument("--score-lr", type=float, default=PAPER["score_lr"], help="S's Adam lr")
+    g.add_argument("--masks-per-step", type=int, default=1, help="Gumbel draws a step (j mod N)")
+    g.add_argument("--score-scale", type=float, default=1.0, help="S_0 = c x the importance")
     g.add_argument("--score-lr-schedule", choices=["constant", "linear"], default="constant",
-                   help="S's lr: constant or linear, --score-lr to --score-lr / T_M (an ablation)")
+                   help="linear: --score-lr down to --score-lr / T_M")
     g.add_argument("--search-loss", choices=sorted(kd.LOSSES),
                    help="the loss of the search steps, a name in kd.LOSSES (default: --loss)")
-    g.add_argument("--search-data", help="the text the search reads, with its own teacher cache "
-                   "(default: --data)")
-    g.add_argument("--evo-generations", type=int,
-                   help="evo: generations (default: EvoPress's r (L - r) / 1.5, r layers removed)")
-    g.add_argument("--evo-offspring", type=int, default=PAPER["evo_offspring"],
-                   help="evo: children a generation")
-    g.add_argument("--evo-stages", default=PAPER["evo_stages"],
-                   help="evo: successive-halving stages TOKENS:SURVIVORS,..., ending in one")
-    g.add_argument("--random-candidates", type=int,
-                   help="random: sets drawn (default: as many as evo's forward tokens pay for)")
+    g.add_argument("--search-data", help="the search's own text and cache (default: --data)")
+    g.add_argument("--evo-generations", type=int, help="evo: generations (default: r (L - r) / 1.5)")
+    g.add_argument("--evo-offspring", type=int, default=PAPER["evo_offspring"], help="evo: children")
+    g.add_argument("--evo-stages", default=PAPER["evo_stages"], help="evo: TOKENS:SURVIVORS,...")
+    g.add_argument("--random-candidates", type=int, help="random: sets (default: evo's budget)")
     g = p.add_argument_group("training (Sec. 3.3, Appendix E)")
-    g.add_argument("--loss", choices=sorted(kd.LOSSES), default="akd",
-                   help="akd: entropy-weighted top-K KD, eq. 13 (the paper); kd: eq. 12; "
-                        "sft: next-token cross-entropy (kd.LOSSES)")
+    g.add_argument("--loss", choices=sorted(kd.LOSSES), default="akd", help="akd: eq. 13 (the "
+                   "paper's); kd: eq. 12; sft: next-token cross-entropy")
     g.add_argument("--steps", type=int, help="optimizer steps T (default: from --tokens)")
     g.add_argument("--tokens", type=int, default=PAPER["tokens"],
                    help="token budget: T = tokens / (batch-size x seq-len)")
     g.add_argument("--batch-size", type=int, default=PAPER["batch_size"],
                    help="GLOBAL batch in sequences, split over ranks and micro-batches")
-    g.add_argument("--micro-batch", type=int, help="sequences per forward on each rank (default: "
-                   "on a GPU the largest that fits, --plan's pick; on a CPU 1)")
+    g.add_argument("--micro-batch", type=int, help="sequences a forward on a rank (default: "
+                   "--plan's pick on a GPU; 1)")
     g.add_argument("--seq-len", type=int, help=f"tokens per sequence (default: a given --cache's, "
                    f"else {PAPER['seq_len']})")
     g.add_argument("--topk", type=int, default=PAPER["topk"], help="teacher top-K of a new cache")
@@ -149,8 +133,8 @@ def parse_args(argv=None):
                    help="a new cache's: the top-K (the paper), or draws (cache_teacher.py, kd.py)")
     g.add_argument("--samples", type=int, default=12, help="draws a position (sampled, hybrid)")
     g.add_argument("--kd-tail", action="store_true", help="KD over the top-K + the rest (kd.py)")
-    g.add_argument("--kd-full", action="store_true", help="KD over the whole vocabulary, the "
-                   "teacher beside the student, in the cache's dtype (one process; the reference)")
+    g.add_argument("--kd-full", action="store_true", help="KD on the teacher's whole softmax, "
+                   "the teacher beside the student (one process; the reference)")
     g.add_argument("--lr", type=float, default=PAPER["lr"], help="peak AdamW lr")
     g.add_argument("--warmup", type=steps_or_fraction, default=PAPER["warmup"],
                    help="linear warm-up steps (or T/n), then cosine to lr/10")
@@ -158,20 +142,15 @@ def parse_args(argv=None):
     g.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip")
     g.add_argument("--seed", type=int, default=0, help="data order and every random draw")
     g = p.add_argument_group("scale (scale/, docs/scale.md)")
-    g.add_argument("--lora-rank", type=int, default=0,
-                   help="> 0: train LoRA adapters only, merged at export (the paper's MoE runs)")
+    g.add_argument("--lora-rank", type=int, default=0, help="> 0: LoRA only, merged at export")
     g.add_argument("--lora-alpha", type=float, help="LoRA alpha (default: 2 x rank)")
-    g.add_argument("--activation-checkpointing", nargs="?", const="full",
-                   choices=["none", "selective", "full"], help="recompute each layer's activations "
-                   "in the backward: full = all, keeping its input; selective = the cheap ops, "
-                   "keeping the matmuls' outputs (default: on a GPU only when memory needs it, "
-                   "--plan's pick; on a CPU none)")
+    g.add_argument("--activation-checkpointing", nargs="?", const="full", choices=["none",
+                   "selective", "full"], help="recompute in the backward a layer's activations "
+                   "(full) or its cheap ops (selective) (default: --plan's pick on a GPU; none)")
     g.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     g.add_argument("--logit-chunk", type=int, help="tokens a chunk of the LM head fused with the "
-                   "loss (scale/fused_loss.py: no (B, T, V) logits); 0: the plain logits path, "
-                   "kd.py (default: 256 under torchrun, 0 in one process)")
-    g.add_argument("--plan", type=int, metavar="RANKS",
-                   help="print the run's plan for RANKS ranks from config.json alone, and exit")
+                   "loss, no (B, T, V) logits; 0: kd.py's (default: 256 under torchrun, else 0)")
+    g.add_argument("--plan", type=int, metavar="RANKS", help="print the plan for RANKS GPUs, exit")
     g = p.add_argument_group("run folder")
     g.add_argument("--eval-every", type=steps_or_fraction, default=PAPER["eval_every"],
                    help="validate every N steps (or T/n)")
@@ -199,13 +178,22 @@ def lr_schedule(step, args):
     return args.lr / 10 + 0.5 * (1 + math.cos(math.pi * ratio)) * (args.lr - args.lr / 10)
 
 
+def begin_step(opt, t, args, rank):
+    """Step t's lr, and its random state: both pure functions of the step, so that a resume needs
+    neither; dropout's masks (GPT-2, OPT) each rank its own, on any device, after any resume."""
+    lr = lr_schedule(t - 1, args)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    torch.manual_seed((args.seed * 2**40 + t * 2**20 + rank) % 2**63)
+    return lr
+
+
 # -----------------------------------------------------------------------------
 # The student: fp32 master weights, LoRA for the huge models, FSDP2 under torchrun
 
 def build_student(args, device, world, kept=None):
-    """The student as this run trains it: fp32, pruned to `kept` when resuming after the cut, then
-    parallelize_student's. Under torchrun rank 0 alone reads the weights (the other ranks build it on
-    the meta device and receive their shards)."""
+    """The student: fp32, pruned to `kept` when resuming after the cut, parallelized. Under torchrun
+    rank 0 alone reads the weights (the others build it on the meta device, then get shards)."""
     rank = torch.distributed.get_rank() if world > 1 else 0
     model, tok = load_model(args.model, "cpu", torch.float32, weights=rank == 0)
     model.config.use_cache = False  # no KV cache in a training forward
@@ -215,9 +203,8 @@ def build_student(args, device, world, kept=None):
 
 
 def parallelize_student(model, args, device, world):
-    """Everything that makes the model fast or small, in one place (torchtitan's parallelize):
-    LoRA, activation checkpointing and per-layer compile if asked; under torchrun, or with the fused
-    LM head, FSDP2 by scale.fsdp.parallelize. The training step never asks which applied."""
+    """All that makes the model fast or small, in one place (torchtitan's parallelize): LoRA,
+    checkpointing, compile if asked; FSDP2 under torchrun. The training step never asks which."""
     if args.lora_rank:  # before sharding: FSDP shards the adapters with their layers
         from scale.lora import add_lora
         add_lora(model, args.lora_rank, args.lora_alpha, args.seed)
@@ -229,11 +216,8 @@ def parallelize_student(model, args, device, world):
         compile_layers(model)
     if world == 1 and not args.logit_chunk:
         return model.to(device).train()
-    # FSDP2, torchtitan's layout; its plain form is
-    #     for layer in decoder_layers(model): fully_shard(layer)
-    #     fully_shard(model)
-    # and scale.parallelize adds the memory machinery (docs/scale.md): the embedding and LM head
-    # split by vocabulary rows, gloo's collectives in pieces, rank 0's weights sent as shards
+    # FSDP2: `for layer in decoder_layers(model): fully_shard(layer)`, then `fully_shard(model)`,
+    # with the memory machinery of docs/scale.md (vocabulary-parallel head, rank-0 loading, ...)
     from scale.fsdp import parallelize
     return parallelize(model, device, fused_loss=bool(args.logit_chunk)).train()
 
@@ -308,9 +292,21 @@ def validate(model, cache, losses, args):
     return (acc[0] / acc[1].clamp(min=1)).tolist()
 
 
+def validation(model, cache, losses, args, run, measured, when, t):
+    """validate() at step t, logged and printed; measured: step -> losses, so that the cut and an
+    eval at one step validate once. "kd" is the loss of the cache's own targets (negative for a top-K
+    cache, above 0 at the teacher itself for sampled and hybrid ones): it compares runs of one kind
+    of target."""
+    if not cache or not cache.len_split("val"):  # a cache built with --val-frac 0
+        return None
+    kd_loss, ce = measured[t] = measured.get(t) or validate(model, cache, losses, args)
+    run.log(event="val", step=t, val_loss=kd_loss, val_ce=ce, when=when, targets=cache.targets)
+    print0(f"val {when}: kd {kd_loss:.4f} ce {ce:.4f} (kd: comparable within one kind of target)")
+    return {"kd": round(kd_loss, 4), "ce": round(ce, 4)}
+
+
 def to_device(batch, device):
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v
-            for k, v in batch.items()}
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def training_batch(source, rows, args, teacher=None):
@@ -326,9 +322,8 @@ def training_batch(source, rows, args, teacher=None):
 
 
 def micro_batches(source, kind, step, args, rank, world, teacher=None):
-    """This rank's share of global batch `step`, a micro-batch at a time, each with its weight in the
-    step's loss: the objective is a MEAN over the global batch, so each micro-batch's mean counts
-    1 / n_micro here and FSDP's reduce-scatter takes the mean over the ranks."""
+    """This rank's share of global batch `step`, a micro-batch at a time with its weight: the loss is
+    a MEAN over the global batch, 1 / n_micro a micro-batch here, FSDP's mean over the ranks."""
     n_micro = args.batch_size // (world * args.micro_batch)
     idx = batch_indices(step, args, source.len_split("train"), rank, world)
     weights = [1 / n_micro] * n_micro  # packed text: every micro-batch counts as many tokens
@@ -341,10 +336,9 @@ def micro_batches(source, kind, step, args, rank, world, teacher=None):
 
 
 def train_step(model, opt, losses, batches, kind, t, args, gates=None, draw=None):
-    """One optimizer step t over this rank's micro-batches; during the search the gates run
-    micro-batch m through the layer mask draw(m). Returns (the step's loss averaged over the ranks,
-    the gradient norm before clipping): both read once a step, never inside the micro-batch loop,
-    where a host sync would stall a GPU."""
+    """Optimizer step t over this rank's micro-batches (in the search micro-batch m runs the mask
+    draw(m)). Returns the loss averaged over the ranks and the gradient norm, read once a step:
+    never in the micro-batch loop, where a host sync would stall a GPU."""
     loss_sum = torch.zeros((), dtype=torch.float64, device=args.device)
     for m, batch in enumerate(batches):
         if gates is not None:
@@ -371,10 +365,7 @@ def clip_gradients(model, max_norm):
 
 
 # -----------------------------------------------------------------------------
-# The layer search (Sec. 3.2). What the training loop asks of a search is surgery.LayerSearch's
-# protocol: steps (T_M), prepare(), begin_step(t), sample_mask(j), step(), kept(), and its state.
-# LayerSearch itself is --search none (the top-k of S_0); the paper's search is below, the
-# baselines' in baselines/ (baselines.SEARCHES, by their --search names).
+# The layer search (Sec. 3.2): what the loop asks of one is surgery.LayerSearch's protocol
 
 class GumbelTopKSearch(LayerSearch):
     """The paper's search: scores S (one per layer) with their own Adam, a Gumbel-TopK mask each
@@ -422,24 +413,21 @@ class GumbelTopKSearch(LayerSearch):
     def log_fields(self):
         return {"tau": self.tau, "k": self.k_t}
 
-    def state_dict(self):
-        # the generator too: a resumed search draws the noise the uninterrupted one would have
-        return {"S": self.S.detach().cpu(), "opt": self.opt.state_dict(), "gen": self.gen.get_state()}
+    def state_dict(self):  # the generator too: a resumed search draws what this one would have
+        return {**super().state_dict(), "opt": self.opt.state_dict(), "gen": self.gen.get_state()}
 
     def load_state_dict(self, state):
-        self.S.data.copy_(state["S"])
+        super().load_state_dict(state)
         self.opt.load_state_dict(state["opt"])
         self.gen.set_state(state["gen"])
 
 
 # -----------------------------------------------------------------------------
-# The registries: a method is a name here, the value of its flag. The paper's sit beside the
-# baselines', with the same signatures; a baseline is "module:attribute", imported when named.
+# The registries: a method is a name, the value of its flag; a fork adds its own at import time.
+# The paper's sit beside the baselines' ("module:attribute", imported when named), same signatures:
 #   IMPORTANCE[name](model, batches, vocab, generator) -> (L,) scores, larger = keep   --init
 #   SEARCHES[name](S0, args, L, T, protected, device): a surgery.LayerSearch          --search
 #   kd.LOSSES[name](logits, batch) -> the micro-batch's mean loss           --loss, --search-loss
-# A fork adds its own at import time, before main() parses the flags, e.g.
-#   prune.IMPORTANCE["mine"] = my_importance; prune.main()
 
 IMPORTANCE = {"kl": kl_importance,  # the paper's S_0 (Sec. 3.2)
               "bi": "baselines.shortgpt:block_influence", "random": "baselines.shortgpt:random_scores"}
@@ -520,43 +508,23 @@ def build_teacher_cache(args, tok, data=None, tokens=None):
     return TeacherCache(path, tok, seq_len=args.seq_len, topk=args.topk)
 
 
-def plan_line(args, world, model, L, cache=None, cache_bytes=None):
-    """T, T_M, the tokens, and per rank the bytes of fp32 weights, gradients and AdamW (16 B per
-    trainable parameter, 4 B per frozen one, split over the ranks by FSDP) before and after the cut."""
-    def state_gb(params):
-        params = list(params)
-        frozen = sum(p.numel() for p in params if not p.requires_grad)
-        return (4 * frozen + 16 * (sum(p.numel() for p in params) - frozen)) / world / 1e9
-    layers = decoder_layers(model)
-    search, cut = state_gb(model.parameters()), L - args.keep  # the layers still to go
-    after = search - cut * state_gb(layers[-1].parameters())  # at the last layer's size each
-    n = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+def schedule_line(args, world, cache=None):
+    """T, T_M, the tokens, and how often they read the cached training text (a warning past once)."""
     tokens = args.steps * args.batch_size * args.seq_len
-    parts = [f"T {args.steps} (search T_M {args.search_steps}, warm-up "
-             f"{at(args.warmup, args.steps)})", f"{tokens:,} tokens",
-             f"{args.batch_size} x {args.seq_len} tokens a step on {world} rank(s)",
-             f"{n / 1e6:,.1f}M params ({trainable / 1e6:,.1f}M trainable)",
-             f"weights+grads+Adam {search:.3g} GB/rank in the search, {after:.3g} GB/rank after "
-             f"the cut ({L} -> {args.keep} layers)"]
-    if hasattr(registered(SEARCHES, args.search), "plan"):  # evo, random: their forward tokens
-        parts.append(registered(SEARCHES, args.search).plan(args, L))
-    if cache is not None:
-        cache_bytes = sum(s["bytes"] for split in cache.meta["shards"].values() for s in split)
-        passes = tokens / (cache.len_split("train") * args.seq_len)
-        parts.append(f"{passes:.2f} passes over the {cache.len_split('train') * args.seq_len:,} "
-                     f"cached training tokens")
-        if passes > 1.01:  # e.g. the paper's budget on the 1.6M-token Shakespeare: ~400 passes
-            parts.append("WARNING: the corpus is smaller than the budget, sequences repeat; pass a "
-                         "larger --data or a smaller --tokens/--steps")
-    if cache_bytes is not None:
-        parts.append(f"cache {cache_bytes / 1e9:.3g} GB on disk")
-    return "plan: " + " | ".join(parts)
+    line = (f"plan: T {args.steps} (search T_M {args.search_steps}, warm-up "
+            f"{at(args.warmup, args.steps)}) | {tokens:,} tokens | {args.batch_size} x "
+            f"{args.seq_len} tokens a step on {world} rank(s)")
+    passes = cache and tokens / (cache.len_split("train") * args.seq_len)
+    line += f" | {passes:.2f} passes over the cached training tokens" if cache else ""
+    if passes and passes > 1.01:  # e.g. the paper's budget on the 1.6M-token Shakespeare: ~400
+        line += " | WARNING: the corpus is smaller than the budget, sequences repeat: pass more --data"
+    return line
 
 
 def resolve_args(args, L, world, cache=None):
     """What the flags leave to the model, the world and a given cache: k and the method from
-    --layers, the cache's seq-len and targets, T from the budget, T_M, the logit chunk."""
+    --layers, the cache's seq-len and targets, T from the budget, T_M, the logit chunk; for a run,
+    the micro-batch and checkpointing (on a GPU the plan's pick for the card, scale/plan.py)."""
     if args.layers is not None:  # keep exactly these: no importance, no search
         args.keep, args.init, args.search = args.keep or len(args.layers), "given", "none"
     if cache is not None:  # a given cache fixes seq-len and its targets
@@ -570,26 +538,13 @@ def resolve_args(args, L, world, cache=None):
     # T_M = round(search_frac T), halves up (0.1 x 25: 3), at least one step when there is a search
     t_m = math.floor(Fraction(str(args.search_frac)) * args.steps + Fraction(1, 2))
     args.search_steps = max(1, t_m) if in_loop else 0
-
-
-def fit_to_device(args, world):
-    """--micro-batch and --activation-checkpointing left unset: on a GPU the plan's pick for this
-    card (scale/plan.py: checkpointing only when memory needs it, then the largest micro-batch that
-    fits); on a CPU one sequence a forward, no checkpointing."""
-    if args.device.type != "cuda":
-        args.micro_batch = args.micro_batch or 1
-        args.activation_checkpointing = args.activation_checkpointing or "none"
-    if args.micro_batch and args.activation_checkpointing:
+    if args.plan:  # the plan picks them for each kind of GPU
         return
-    from scale.fsdp import meta_model
-    from scale.plan import choose
-    card = torch.cuda.get_device_properties(args.device).total_memory
-    micro, mode, _ = choose(args, meta_model(args)[0], world, card)
-    if micro is None:
-        print0("warning: the plan finds no micro-batch that fits this GPU (prune.py --plan): "
-               "trying one sequence with full checkpointing")
-    args.micro_batch, args.activation_checkpointing = micro or 1, mode or "full"
-    print0(f"micro-batch {args.micro_batch}, activation checkpointing {args.activation_checkpointing}")
+    if torch.cuda.is_available() and not (args.micro_batch and args.activation_checkpointing):
+        from scale.plan import pick_for_card
+        pick_for_card(args, world)
+    args.micro_batch = args.micro_batch or 1
+    args.activation_checkpointing = args.activation_checkpointing or "none"
 
 
 def check_args(args, config, L, world):
@@ -603,11 +558,9 @@ def check_args(args, config, L, world):
     if args.layers is not None and not (len(args.layers) == args.keep
                                         and set(protected) <= set(args.layers) <= set(range(L))):
         raise E3Error(f"--layers must name --keep ({args.keep}) distinct layers of 0..{L - 1}, the "
-                      f"protected {sorted(protected)} among them (--protect-first/--protect-last 0 "
-                      f"to drop those)")
+                      f"protected {sorted(protected)} among them (--protect-first/last 0: not)")
     if args.logit_chunk < 0:
-        raise E3Error(f"--logit-chunk must be 0 (the plain logits) or a number of tokens; got "
-                      f"{args.logit_chunk}")
+        raise E3Error(f"--logit-chunk must be 0 (the plain logits) or tokens; got {args.logit_chunk}")
     if args.kd_tail and args.targets != "topk" or args.kd_full and (world > 1 or args.logit_chunk):
         raise E3Error("--kd-tail needs a top-K cache (not sampled targets); --kd-full runs in one "
                       "process on the plain logits path (--logit-chunk 0): the teacher beside it")
@@ -653,33 +606,11 @@ def make_losses(args, vocab, world):
     return losses
 
 
-def print_plan(args, ranks):
-    """--plan RANKS: the run's plan from config.json alone, the model on the meta device: its
-    steps and memory, then per GPU kind the micro-batch and checkpointing that fit and the hours
-    (scale/plan.py); the last line one JSON object."""
-    from scale.fsdp import meta_model
-    from scale.plan import plan
-    model, bytes_a_token = meta_model(args)
-    L = len(decoder_layers(model))
-    resolve_args(args, L, ranks)
-    check_args(args, model.config, L, ranks)
-    cache_bytes = bytes_a_token * args.steps * args.batch_size * args.seq_len
-    lines, summary = plan(args, model, L, ranks, cache_bytes=cache_bytes)
-    print("\n".join([plan_line(args, ranks, model, L, cache_bytes=cache_bytes), *lines]))
-    print(json.dumps(summary))
-
-
 # -----------------------------------------------------------------------------
-# The run folder, and the checkpoints a killed run resumes from (nanochat's checkpoint manager):
-#   OUT/run.json             the arguments that define the run (a folder holding another is refused)
-#   OUT/log.jsonl            one JSON event a line: importance, search steps, train steps, val, ...
-#   OUT/checkpoints/step_N/  torch.distributed.checkpoint (DCP): each rank writes and reads only its
-#                            own shards of the weights and of AdamW's moments; a resume on another
-#                            number of ranks reshards on load; extra.pt beside them holds the small
-#                            state (step, kept layers, the search's state, the summary so far)
-#   OUT/model/               the export: a plain Hugging Face checkpoint and pruning.json
-# One process writes the same format (no_dist), so that 1 process and N ranks resume each other.
-# Multi-node: OUT is one shared folder, seen by every node at the same path.
+# The run folder (README): run.json, log.jsonl, checkpoints/step_N/ and model/. A checkpoint is
+# torch.distributed.checkpoint's: each rank writes and reads its own shards of the weights and
+# AdamW's moments, a resume on another number of ranks reshards on load, and one process writes the
+# same format (no_dist); extra.pt beside them holds the small state. Multi-node: one shared OUT.
 
 # in one process DCP warns that it "assumes the intent is to save in a single process": it is
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -745,9 +676,8 @@ class Run:
         barrier()
         if self.rank == 0:
             tmp.rename(final)
-            for old in self.ckpt_dir.glob("step_*"):
-                if old != final:
-                    shutil.rmtree(old, ignore_errors=True)
+            for old in set(self.ckpt_dir.glob("step_*")) - {final}:
+                shutil.rmtree(old, ignore_errors=True)
             print0(f"checkpoint saved: {final}")
         barrier()
 
@@ -765,8 +695,9 @@ class Run:
 def main(argv=None):
     args = parse_args(argv)
     args.model = resolve_model(args.model)
-    if args.plan:
-        return print_plan(args, args.plan)
+    if args.plan:  # --plan RANKS: from config.json alone, the model on the meta device
+        from scale.plan import print_plan
+        return print_plan(args)
 
     # ================================ SETUP ================================
     t0 = time.time()
@@ -775,7 +706,6 @@ def main(argv=None):
     L = len(decoder_layers(shape))
     cache = TeacherCache(args.cache, tok, seq_len=args.seq_len) if args.cache else None
     resolve_args(args, L, world, cache)
-    fit_to_device(args, world)
     protected = check_args(args, shape.config, L, world)
     T, T_M = args.steps, args.search_steps
     args.out = args.out or f"runs/{Path(args.model).name}-keep{args.keep}"
@@ -790,7 +720,7 @@ def main(argv=None):
     teacher = full_teacher(args, cache)
     opt = make_optimizer(model, args)
     losses = make_losses(args, cache.vocab_size if cache else vocab_size(tok), world)
-    print0(plan_line(args, world, model, L, cache))
+    print0(schedule_line(args, world, cache))
 
     # ====================== STAGE 1: IMPORTANCE (Sec. 3.2) ======================
     if resumed is None:
@@ -814,19 +744,7 @@ def main(argv=None):
                        lambda entry: run.log(event="layer_search", method=args.search, **entry))
     # Alg. 1 l.3, t <= T_M: every layer runs through its gate; after the cut only the k kept exist
     gates = LayerGates(model) if kept is None else None
-    measured = {}  # step -> validation losses: the cut and an eval at one step validate once
-
-    def val(when, t):
-        if not cache or not cache.len_split("val"):  # a cache built with --val-frac 0
-            return None
-        if t not in measured:
-            measured[t] = validate(model, cache, losses, args)
-        kd_loss, ce = measured[t]
-        run.log(event="val", step=t, val_loss=kd_loss, val_ce=ce, when=when)
-        # "kd" is the loss of the cache's own targets: comparable between runs of one kind only
-        print0(f"val {when}: kd {kd_loss:.4f} ce {ce:.4f}")
-        return {"kd": round(kd_loss, 4), "ce": round(ce, 4)}
-
+    val = partial(validation, model, cache, losses, args, run, {})
     if resumed is None:
         summary["val_dense"] = val("dense", 0)  # the reference: the full model before any step
 
@@ -852,11 +770,7 @@ def main(argv=None):
         if step == T:
             break
         t, t_step, searching = step + 1, time.time(), kept is None
-        lr = lr_schedule(step, args)  # a pure function of the step: a resume needs no state
-        for group in opt.param_groups:
-            group["lr"] = lr
-        # so are dropout's masks (GPT-2, OPT): each rank its own, on any device, after any resume
-        torch.manual_seed((args.seed * 2**40 + t * 2**20 + rank) % 2**63)
+        lr = begin_step(opt, t, args, rank)
         if searching:  # Alg. 1 l.2: tau_t, k'_t, and this step's Gumbel draw
             search.begin_step(t)
         source, kind = (search_cache, args.search_loss) if searching else (cache, args.loss)
@@ -882,12 +796,7 @@ def main(argv=None):
     # -------------------------- TRAINING SECTION END --------------------------
 
     # =============================== STAGE 3: EXPORT ===============================
-    # pruning.json: how the model was made, enough to redo it (the flags) or compare it (tokens)
-    info = {"source_model": args.model, "method": f"init={args.init} search={args.search} "
-            f"loss={args.loss}", "flags": run_identity(args), "tokens_trained": T * tokens_per_step,
-            "search_forward_tokens": 0, **search.summary(), "initial_scores": S0.tolist(),
-            "final_scores": search.S.detach().cpu().tolist()}
-    export(model, args, rank, kept, L, tok, info)
+    export(model, args, rank, kept, L, tok, search, S0)
     summary = {"kept_layers": kept, "layers": f"{L} -> {len(kept)}",
                "tokens_trained": T * tokens_per_step, **search.summary(),
                **{k: v for k, v in summary.items() if v is not None},
@@ -897,9 +806,14 @@ def main(argv=None):
     return model
 
 
-def export(model, args, rank, kept, L, tok, info):
-    """OUT/model: the kept layers' weights (FSDP2's shards gathered a tensor at a time onto rank 0,
-    LoRA's adapters folded in) as a plain Hugging Face checkpoint, beside pruning.json."""
+def export(model, args, rank, kept, L, tok, search, S0):
+    """OUT/model: the kept weights (FSDP2's gathered onto rank 0, LoRA's folded in) as a plain HF
+    checkpoint, beside pruning.json: enough to redo it (the flags) or compare it (the tokens)."""
+    info = {"source_model": args.model, "method": f"init={args.init} search={args.search} "
+            f"loss={args.loss}", "flags": run_identity(args),
+            "tokens_trained": args.steps * args.batch_size * args.seq_len,
+            "search_forward_tokens": 0, **search.summary(), "initial_scores": S0.tolist(),
+            "final_scores": search.S.detach().cpu().tolist()}
     if torch.distributed.is_initialized():
         from scale.fsdp import full_state_dict
         state = full_state_dict(model)
@@ -913,4 +827,7 @@ def export(model, args, rank, kept, L, tok, info):
 
 
 if __name__ == "__main__":
-    run_main(main)
+    # run the module `prune`, the one a wing or a fork imports, not this `__main__` copy of it: one
+    # set of registries
+    import prune
+    run_main(prune.main)

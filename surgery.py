@@ -205,22 +205,19 @@ def keep_mask(kept, L, device):
 
 class LayerSearch:
     """What prune.py asks of a layer search, its whole protocol; by itself, no search (--search
-    none): the cut keeps the top-k of S_0 (KL one-shot). The paper's Gumbel-TopK search (prune.py)
-    and each baseline (baselines/) implement it, and a fork's search is a subclass registered in
-    prune.SEARCHES under its --search name. Built as cls(S0, args, L, T, protected, device):
+    none): the cut keeps the top-k of S_0. The paper's (prune.GumbelTopKSearch), each baseline's
+    and a fork's subclass it, registered in prune.SEARCHES; built as cls(S0, args, L, T, protected,
+    device):
 
-        in_loop                class attribute: True if it runs in the first T_M training steps
-        steps                  T_M, the first training steps, run through its masks (0: none)
-        tokens_read(args)      static: the training tokens the search reads (--search-data's cache)
+        in_loop, steps         whether it runs in the first T_M training steps, and T_M (or 0)
+        tokens_read(args)      static: the training tokens it reads (--search-data's cache)
         plan(args, L)          optional static: a line for --plan (evo, random: forward tokens)
         prepare(model, cache, losses, log)   before training: evo and random choose their set here
         begin_step(t)          Alg. 1 l.2: this step's schedules and random draw
         sample_mask(j)         Alg. 1 l.4: the (L,) mask global micro-batch j runs, differentiable
-        step()                 Alg. 1 l.5: the scores' update, after the backward; average_grad()
-                               first makes S.grad the whole batch's under torchrun
+        step()                 Alg. 1 l.5: the scores' update (average_grad(): over the ranks)
         kept()                 Alg. 1's return: the k layers to keep, were it to stop now
-        state_dict(), load_state_dict(state)   what a checkpoint holds
-        log_fields(), summary()                its fields in each step's log line and in the summary
+        state_dict(), load_state_dict(state), log_fields(), summary()   checkpoint, log, summary
     """
     in_loop = False  # whether it runs in the first T_M training steps (Gumbel-TopK, l0)
 

@@ -307,3 +307,58 @@ def plan(args, model, L, ranks, cache_bytes=None, measured=None, gpu="H100"):
     if cache_bytes is not None:
         summary["cache_gb"] = round(cache_bytes / GB, 2)
     return lines, summary
+
+
+# -----------------------------------------------------------------------------
+# prune.py's two uses: --plan RANKS, and the micro-batch a GPU run picks
+
+def state_line(args, ranks, model, L):
+    """Parameters, and per rank the bytes of fp32 weights, gradients and AdamW (16 B per trainable
+    parameter, 4 B per frozen one, split over the ranks by FSDP) before and after the cut."""
+    def state_gb(params):
+        params = list(params)
+        frozen = sum(p.numel() for p in params if not p.requires_grad)
+        return (4 * frozen + 16 * (sum(p.numel() for p in params) - frozen)) / ranks / GB
+    search = state_gb(model.parameters())
+    after = search - (L - args.keep) * state_gb(decoder_layers(model)[-1].parameters())
+    n = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return (f"plan: {n / 1e6:,.1f}M params ({trainable / 1e6:,.1f}M trainable) | weights+grads+Adam "
+            f"{search:.3g} GB/rank in the search, {after:.3g} GB/rank after the cut ({L} -> "
+            f"{args.keep} layers)")
+
+
+def print_plan(args):
+    """prune.py --plan RANKS: the schedule, the state a rank holds, the search's own forward tokens
+    (evo, random), then plan()'s lines per GPU kind; the last line one JSON object."""
+    import prune
+    from scale.fsdp import meta_model
+    ranks = args.plan
+    model, bytes_a_token = meta_model(args)
+    L = len(decoder_layers(model))
+    prune.resolve_args(args, L, ranks)
+    prune.check_args(args, model.config, L, ranks)
+    cache_bytes = bytes_a_token * args.steps * args.batch_size * args.seq_len
+    lines, summary = plan(args, model, L, ranks, cache_bytes=cache_bytes)
+    search = prune.registered(prune.SEARCHES, args.search)
+    print("\n".join([prune.schedule_line(args, ranks) + f" | cache {cache_bytes / GB:.3g} GB on disk",
+                     state_line(args, ranks, model, L),
+                     *([f"plan: {search.plan(args, L)}"] if hasattr(search, "plan") else []),
+                     *lines]))
+    print(json.dumps(summary))
+
+
+def pick_for_card(args, world):
+    """prune.py on a GPU with --micro-batch or --activation-checkpointing unset: choose()'s pick for
+    this card (a value given is kept)."""
+    import torch
+
+    from cache_teacher import print0
+    from scale.fsdp import meta_model
+    card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    micro, mode, _ = choose(args, meta_model(args)[0], world, card)
+    if micro is None:
+        print0("warning: the plan finds no micro-batch that fits this GPU (prune.py --plan): "
+               "trying one sequence with full checkpointing")
+    args.micro_batch, args.activation_checkpointing = micro or 1, mode or "full"
+    print0(f"micro-batch {args.micro_batch}, activation checkpointing {args.activation_checkpointing}")

@@ -88,3 +88,17 @@ def test_cross_entropy_ignores_padding():
     torch.testing.assert_close(next_token_loss(logits, ids, mask).double(), -lp[valid].mean())
     torch.testing.assert_close(LOSSES["sft"](logits, {"input_ids": ids, "mask": mask}).double(),
                                -lp[valid].mean())
+
+
+def test_full_kd_with_a_masked_teacher_entry_is_finite():
+    """A teacher logit of -inf (a masked id) adds 0 log 0 = 0 to KL(p_t || p_s), not NaN."""
+    import kd
+    torch.manual_seed(0)
+    teacher, student = torch.randn(1, 3, 9, dtype=torch.float64), torch.randn(1, 3, 9, dtype=torch.float64)
+    teacher[..., 4] = -float("inf")
+    got = kd.LOSSES["kd"](student.float(), {"targets": "full", "teacher_logits": teacher.float()})
+    keep = [i for i in range(9) if i != 4]
+    p = torch.softmax(teacher[..., keep], -1)
+    logp_s = torch.log_softmax(student, -1)[..., keep]
+    expected = (p * (p.log() - logp_s)).sum(-1).mean()  # float64, over the finite entries
+    assert torch.isfinite(got) and abs(got.item() - expected.item()) < 1e-5
