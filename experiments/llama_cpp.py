@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 import cache_teacher  # noqa: E402
 import evaluate  # noqa: E402
 from architectures import gguf as to_gguf  # noqa: E402
+from gemma import gemma3_270m  # noqa: E402  (experiments/, beside this script)
 from surgery import decoder_layers, export_pruned, remove_layers  # noqa: E402
 
 CTX, CHUNKS = 128, 8  # windows of 128 tokens, 8 of them: 504 scored tokens a model
@@ -194,7 +195,7 @@ def families(tree, text, threads, tmp, names=None, all_experts=False):
 
 def real(tree, text, threads, tmp):
     smol = cache_teacher.default_model()
-    gemma = cache_teacher.gemma3_270m()
+    gemma = gemma3_270m()
     shortgpt = [i for i in range(30) if i not in (11, 12, 13, 14, 15, 16, 17, 18, 25, 26)]
     cases = [("SmolLM2-135M", smol, None), ("SmolLM2-135M 30 -> 20", smol, shortgpt),
              ("Gemma-3-270M", gemma, None),
