@@ -633,3 +633,29 @@ def test_a_cache_without_a_validation_split_validates_nothing(make_tiny, corpus,
     assert not events(out, "val") and "NaN" not in (out / "log.jsonl").read_text()
     done = json.loads(proc.stdout.split("done: ")[-1])
     assert not any(k.startswith("val") for k in done) and len(done["kept_layers"]) == K
+
+
+def test_a_training_step_reads_the_device_once_whatever_its_micro_batches():
+    """prune.train_step sums the micro-batches' losses on the device and reads the step's loss and
+    gradient norm once: beyond what the model's own forward reads (transformers checks the position
+    ids for packed sequences, one read a forward), a step's host syncs (each would stall a GPU) do
+    not grow with its micro-batches; counted at the dispatcher (tests/host_syncs.py)."""
+    import prune
+    from conftest import tiny_config
+    from host_syncs import HostSyncs
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config("llama", layers=2, vocab=64))
+    args = prune.parse_args(["--model", "m", "--keep", "1"])
+    args.device, args.out = torch.device("cpu"), "run"
+    opt, losses = prune.make_optimizer(model, args), prune.plain_losses(64)
+
+    def syncs(n_micro):
+        batches = [{"input_ids": torch.randint(64, (1, 8)), "weight": 1 / n_micro} for _ in range(n_micro)]
+        with HostSyncs() as seen:
+            prune.train_step(model, opt, losses, batches, "sft", 1, args)
+        return len(seen.syncs)
+    with torch.no_grad(), HostSyncs() as forward:  # the model's own, once a forward
+        model(input_ids=torch.randint(64, (1, 8)), use_cache=False)
+    for n in (1, 2, 6):  # the step's loss and its gradient norm, once each
+        assert syncs(n) == n * len(forward.syncs) + 2
