@@ -179,8 +179,7 @@ def lr_schedule(step, args):
 
 
 def begin_step(opt, t, args, rank):
-    """Step t's lr, and its random state: both pure functions of the step, so that a resume needs
-    neither; dropout's masks (GPT-2, OPT) each rank its own, on any device, after any resume."""
+    """Step t's lr and random state (dropout's masks, each rank its own): pure functions of t."""
     lr = lr_schedule(t - 1, args)
     for group in opt.param_groups:
         group["lr"] = lr
@@ -477,11 +476,15 @@ def prune_to_top_k(model, opt, search, args):
     return kept, make_optimizer(model, args, carried=opt.state)
 
 
+# what may change between --resume's: the objective (the global batch's mean) does not depend on it
+NOT_IDENTITY = {"resume", "eval_every", "ckpt_every", "plan", "logit_chunk", "device", "search_steps",
+                "micro_batch", "activation_checkpointing", "compile"}
+
+
 def run_identity(args):
-    """The arguments that define a run (what may change between --resume's is left out)."""
-    skip = {"resume", "eval_every", "ckpt_every", "plan", "logit_chunk", "device", "search_steps"}
+    """The arguments that define a run."""
     return {k: f"T/{v.denominator}" if isinstance(v, Fraction) else v
-            for k, v in sorted(vars(args).items()) if k not in skip}
+            for k, v in sorted(vars(args).items()) if k not in NOT_IDENTITY}
 
 
 # -----------------------------------------------------------------------------
@@ -547,7 +550,7 @@ def resolve_args(args, L, world, cache=None):
     args.activation_checkpointing = args.activation_checkpointing or "none"
 
 
-def check_args(args, config, L, world):
+def check_args(args, config, L, world, vocab=0):
     """Every flag checked against the model and the world before any work: one error line for the
     first that cannot run, a warning for each layout an engine would serve differently. Returns
     the protected layers."""
@@ -559,6 +562,9 @@ def check_args(args, config, L, world):
                                         and set(protected) <= set(args.layers) <= set(range(L))):
         raise E3Error(f"--layers must name --keep ({args.keep}) distinct layers of 0..{L - 1}, the "
                       f"protected {sorted(protected)} among them (--protect-first/last 0: not)")
+    if vocab > config.get_text_config().vocab_size:  # checked once: no batch needs it again
+        raise E3Error(f"the tokenizer's {vocab} ids outnumber the model's "
+                      f"{config.get_text_config().vocab_size} embedding rows: resize them first")
     if args.logit_chunk < 0:
         raise E3Error(f"--logit-chunk must be 0 (the plain logits) or tokens; got {args.logit_chunk}")
     if args.kd_tail and args.targets != "topk" or args.kd_full and (world > 1 or args.logit_chunk):
@@ -576,14 +582,6 @@ def check_args(args, config, L, world):
     for note in serving_notes(config, args.layers):  # where an engine would differ
         print0(f"warning: {note}")
     return protected
-
-
-def search_teacher_cache(args, tok, cache):
-    """The cache the search steps read: --search-data's own, else the training cache."""
-    if not args.search_data or args.search == "none":
-        return cache
-    tokens = registered(SEARCHES, args.search).tokens_read(args)
-    return build_teacher_cache(args, tok, args.search_data, tokens)
 
 
 def full_teacher(args, cache):
@@ -622,7 +620,8 @@ class Run:
         self.ckpt_dir, run_file = self.out / "checkpoints", self.out / "run.json"
         # every rank checks before rank 0 writes; a folder that is not this run is left untouched
         if run_file.exists():
-            if json.loads(run_file.read_text()) != identity:
+            stored = {k: v for k, v in json.loads(run_file.read_text()).items() if k not in NOT_IDENTITY}
+            if stored != identity:
                 raise E3Error(f"'{self.out}' already holds a different run; pass another --out (or "
                               f"the same arguments with --resume)")
             if not resume:
@@ -705,13 +704,15 @@ def main(argv=None):
     shape, tok = load_model(args.model, weights=False)  # the config alone: check every input first
     L = len(decoder_layers(shape))
     cache = TeacherCache(args.cache, tok, seq_len=args.seq_len) if args.cache else None
+    vocab = cache.vocab_size if cache else vocab_size(tok)  # the ids a batch holds, all < vocab
     resolve_args(args, L, world, cache)
-    protected = check_args(args, shape.config, L, world)
+    protected = check_args(args, shape.config, L, world, vocab)
     T, T_M = args.steps, args.search_steps
     args.out = args.out or f"runs/{Path(args.model).name}-keep{args.keep}"
     run = Run(args.out, run_identity(args), rank, args.resume)
     cache = cache or build_teacher_cache(args, tok)  # the teacher: loaded, used, freed
-    search_cache = search_teacher_cache(args, tok, cache)
+    search_cache = cache if not args.search_data or args.search == "none" else build_teacher_cache(
+        args, tok, args.search_data, registered(SEARCHES, args.search).tokens_read(args))
     if T == 0:  # no cache: check --data now, before anything is written
         calibration_batches(args, tok, None)
     run.create()
@@ -719,7 +720,7 @@ def main(argv=None):
     model, _ = build_student(args, args.device, world, kept=resumed and resumed["kept"])
     teacher = full_teacher(args, cache)
     opt = make_optimizer(model, args)
-    losses = make_losses(args, cache.vocab_size if cache else vocab_size(tok), world)
+    losses = make_losses(args, vocab, world)
     print0(schedule_line(args, world, cache))
 
     # ====================== STAGE 1: IMPORTANCE (Sec. 3.2) ======================
@@ -734,8 +735,7 @@ def main(argv=None):
         summary = resumed.get("summary", {})
         run.load_into(resumed["path"], model, opt)
         run.truncate_log(step)
-        print0(f"resumed from {resumed['path']} at step {step} "
-               f"({'search' if kept is None else 'finetune'})")
+        print0(f"resumed from {resumed['path']} at step {step}")
     search = registered(SEARCHES, args.search)(S0, args, L, T, protected, args.device)
     if resumed is not None:
         search.load_state_dict(resumed["search"])

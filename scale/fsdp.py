@@ -92,8 +92,10 @@ def apply_activation_checkpointing(model, mode):
     keeps a layer's input alone (HF's checkpointing, non-reentrant); "selective" keeps the outputs of
     its matmuls and attention too, and recomputes only the cheap elementwise ops between them (norms,
     RoPE, SiLU, the residual adds: torchtitan's op-level SAC): nearly the FLOPs of no
-    checkpointing, for part of its memory. Call it before parallelize (fully_shard): the layer's forward is what is
-    checkpointed, FSDP2's hooks stay outside it, and its state-dict names do not change."""
+    checkpointing, for part of its memory. Call it before parallelize (fully_shard). transformers'
+    per-layer checkpoint wraps the layer's whole call, its forward hooks (FSDP2's gather, the search's
+    gates) included, which rerun in the recomputation with the same mask; the state-dict names do
+    not change."""
     kwargs = {"use_reentrant": False}
     if mode == "selective":
         kwargs["context_fn"] = _save_matmuls

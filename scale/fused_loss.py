@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import kd
 from architectures.logits import logit_transform, model_logits
 from cache_teacher import E3Error
-from scale.vocab_parallel import TOKEN_IDS, VocabShard, assert_ids, check_ids
+from scale.vocab_parallel import VocabShard, assert_ids
 from surgery import decoder_layers, hidden_out
 
 def _chunk_logits(h, weight, bias, post, ids, rows, need_grad):
@@ -136,17 +136,6 @@ def _head_losses(h, weight, bias, post, ids, logprobs, w, chunk, rows, need=(Fal
 
 # teacher ids must be rows of the student's logits: a gather would clamp the others silently
 TEACHER_IDS = "teacher token id {bad}is outside the student's {rows} logits"
-
-
-def check_batch_ids(batch, n_embed, n_logits):
-    """Once a batch, on the host (the CPU batch, before it goes to the device: no sync): the input
-    ids within the embedding's n_embed rows, the teacher's within the student's n_logits logits
-    (prune.py's vocab), each out-of-range id named. Inside the micro-batch loop the lookup and the
-    fused head only assert it on the device (vocab_parallel.assert_ids)."""
-    check_ids(batch["input_ids"], n_embed, TOKEN_IDS)
-    for key in ("topk_ids", "sample_ids"):
-        if key in batch:
-            check_ids(batch[key], n_logits, TEACHER_IDS)
 
 
 class _HeadTokenLosses(torch.autograd.Function):

@@ -360,5 +360,6 @@ def pick_for_card(args, world):
     if micro is None:
         print0("warning: the plan finds no micro-batch that fits this GPU (prune.py --plan): "
                "trying one sequence with full checkpointing")
-    args.micro_batch, args.activation_checkpointing = micro or 1, mode or "full"
+    args.micro_batch = args.micro_batch or micro or 1  # a value given is kept, fitting or not
+    args.activation_checkpointing = args.activation_checkpointing or mode or "full"
     print0(f"micro-batch {args.micro_batch}, activation checkpointing {args.activation_checkpointing}")

@@ -106,18 +106,11 @@ class VocabShard:
 TOKEN_IDS = "token id {bad}is outside the embedding's {rows} rows"
 
 
-def check_ids(ids, n, message):
-    """IndexError, naming the first id outside [0, n) (message.format(bad=..., rows=n)). The host
-    reads the ids: free on a CPU batch, once a batch before it goes to the device (prune.py)."""
-    bad = (ids < 0) | (ids >= n)
-    if bad.any():
-        raise IndexError(message.format(bad=f"{ids[bad][0].item()} ", rows=n))
-
-
 def assert_ids(ids, n, message):
-    """The same check inside a micro-batch, where reading the ids back would stall the host: an
-    assert queued with the device's kernels (a RuntimeError on a CPU, the device's assert on a GPU),
-    its message without the id (check_ids names it)."""
+    """Every id in [0, n), checked inside a micro-batch, where reading the ids back would stall the
+    host: an assert queued with the device's kernels (a RuntimeError on a CPU, the device's assert
+    on a GPU). prune.py checks once at the start that the tokenizer's ids fit the embedding, and a
+    cache holds only that tokenizer's ids: this is the backstop."""
     torch._assert_async(((ids >= 0) & (ids < n)).all(), message)
 
 

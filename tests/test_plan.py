@@ -182,3 +182,20 @@ def test_prune_py_plan_ends_with_one_json_object(tmp_path):
     assert s["micro_batch"] >= 1 and s["activation_checkpointing"] in ("none", "selective", "full")
     assert set(s["hours"]) == {"H100", "H200", "A100"} and s["gb_per_rank"] < 80
     assert s["mfu"] and s["cache_flops"] > 0
+
+
+def test_a_gpu_run_keeps_a_micro_batch_or_checkpointing_it_was_given(tmp_path, monkeypatch):
+    """On a GPU an unset --micro-batch / --activation-checkpointing takes the plan's pick for the
+    card; a value given is kept, even where the plan's estimate says nothing fits (Qwen3-32B x 8 on
+    80 GB cards: above, 75.4 GB at micro-batch 1 with full checkpointing)."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80e9))
+    args, model, L, _ = planned(tmp_path, QWEN3_32B, 48, 8)
+    args.plan = None
+    args.micro_batch, args.activation_checkpointing = 2, None
+    P.pick_for_card(args, 8)
+    assert (args.micro_batch, args.activation_checkpointing) == (2, "full")
+    args.micro_batch, args.activation_checkpointing = None, "selective"
+    P.pick_for_card(args, 8)
+    assert (args.micro_batch, args.activation_checkpointing) == (1, "selective")

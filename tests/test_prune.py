@@ -659,3 +659,34 @@ def test_a_training_step_reads_the_device_once_whatever_its_micro_batches():
         model(input_ids=torch.randint(64, (1, 8)), use_cache=False)
     for n in (1, 2, 6):  # the step's loss and its gradient norm, once each
         assert syncs(n) == n * len(forward.syncs) + 2
+
+
+def test_a_run_resumes_whatever_its_micro_batch_checkpointing_or_compile(tmp_path):
+    """The objective (the global batch's mean) does not depend on the micro-batch, the activation
+    checkpointing or compile, and a GPU's plan picks the first two per card: a run folder resumes
+    with other values, also one written before --compile existed; a changed lr is another run."""
+    import prune
+    from cache_teacher import E3Error
+    base = ["--model", "m", "--keep", "2", "--micro-batch", "2"]
+    prune.Run(tmp_path / "r", prune.run_identity(prune.parse_args(base)), 0, False).create()
+    run_json = tmp_path / "r" / "run.json"
+    older = {k: v for k, v in json.loads(run_json.read_text()).items()}
+    run_json.write_text(json.dumps({**older, "micro_batch": 2, "activation_checkpointing": False}))
+    other = prune.parse_args(base[:-1] + ["4", "--activation-checkpointing", "selective", "--compile"])
+    prune.Run(tmp_path / "r", prune.run_identity(other), 0, True)  # resumes: no error
+    with pytest.raises(E3Error, match="different run"):
+        prune.Run(tmp_path / "r", prune.run_identity(prune.parse_args(base + ["--lr", "1e-3"])), 0, True)
+
+
+def test_a_tokenizer_with_more_ids_than_the_embedding_is_refused_before_any_work(tmp_path, tokenizer):
+    """Every id a batch holds comes from the tokenizer: checked once against the embedding's rows,
+    so that no batch needs a host-side check (a GPU would stop at a device-side assert instead)."""
+    import prune
+    from cache_teacher import E3Error
+    from conftest import tiny_config
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_config(tiny_config("llama", 4, vocab=1000)).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    with pytest.raises(E3Error, match="49152 ids outnumber the model's 1000 embedding rows"):
+        prune.main(["--model", str(tmp_path / "m"), "--keep", "2", "--out", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()
