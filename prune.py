@@ -112,6 +112,7 @@ def parse_args(argv=None):
     g.add_argument("--search-loss", choices=sorted(kd.LOSSES),
                    help="the loss of the search steps, a name in kd.LOSSES (default: --loss)")
     g.add_argument("--search-data", help="the search's own text and cache (default: --data)")
+    g.add_argument("--search-batch-size", type=int, help="sequences a search step (default: --batch-size)")
     g.add_argument("--evo-generations", type=int, help="evo: generations (default: r (L - r) / 1.5)")
     g.add_argument("--evo-offspring", type=int, default=PAPER["evo_offspring"], help="evo: children")
     g.add_argument("--evo-stages", default=PAPER["evo_stages"], help="evo: TOKENS:SURVIVORS,...")
@@ -237,19 +238,23 @@ def make_optimizer(model, args, carried=None):
 # -----------------------------------------------------------------------------
 # Data and loss
 
+def sequences_read(step, args):
+    """The sequences steps 1..step read: the search's at --search-batch-size, the rest at --batch-size."""
+    search = min(step, args.search_steps)
+    return search * args.search_batch_size + (step - search) * args.batch_size
+
+
 def batch_indices(step, args, n, rank, world):
-    """This rank's cached sequences at `step`: the global batch is a slice of a seeded permutation
-    (one per epoch, each seed's own) split over the ranks, a pure function of (seed, step): a
-    resume, or any number of ranks, trains on exactly the same global batches."""
-    start = step * args.batch_size
-    epoch, offset = divmod(start, n)
+    """This rank's share of global batch `step`, the next slice of a seeded permutation (one an epoch,
+    each seed's own): a pure function of (seed, step), the same batches after any resume, any ranks."""
+    batch = args.search_batch_size if step < args.search_steps else args.batch_size
+    epoch, offset = divmod(sequences_read(step, args), n)
     idx = []
-    while len(idx) < args.batch_size:  # a batch past the epoch's end goes on into the next
+    while len(idx) < batch:  # a batch past the epoch's end goes on into the next
         order = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed ^ epoch << 32))
-        idx += order.tolist()[offset: offset + args.batch_size - len(idx)]
+        idx += order.tolist()[offset: offset + batch - len(idx)]
         epoch, offset = epoch + 1, 0
-    per_rank = args.batch_size // world
-    return idx[rank * per_rank:(rank + 1) * per_rank]
+    return idx[rank * batch // world:(rank + 1) * batch // world]
 
 
 def calibration_batches(args, tok, cache):
@@ -266,8 +271,7 @@ def calibration_batches(args, tok, cache):
 
 def plain_losses(vocab, autocast=False):
     """losses(model, batch, kinds): kd.LOSSES[kind] of the student's logits, one forward for all the
-    kinds asked (validation wants kd and CE). Only the tokenizer's ids count: some checkpoints pad
-    the embedding past them. autocast: bf16 matmuls on one GPU (FSDP2 casts by its own policy)."""
+    kinds asked, over the tokenizer's ids (some checkpoints pad the embedding); autocast: bf16."""
     def losses(model, batch, kinds):
         with torch.autocast("cuda", torch.bfloat16) if autocast else contextlib.nullcontext():
             logits = model(input_ids=batch["input_ids"], use_cache=False).logits[..., :vocab]
@@ -323,8 +327,8 @@ def training_batch(source, rows, args, teacher=None):
 def micro_batches(source, kind, step, args, rank, world, teacher=None):
     """This rank's share of global batch `step`, a micro-batch at a time with its weight: the loss is
     a MEAN over the global batch, 1 / n_micro a micro-batch here, FSDP's mean over the ranks."""
-    n_micro = args.batch_size // (world * args.micro_batch)
     idx = batch_indices(step, args, source.len_split("train"), rank, world)
+    n_micro = len(idx) // args.micro_batch
     weights = [1 / n_micro] * n_micro  # packed text: every micro-batch counts as many tokens
     if source.meta.get("assistant_only"):  # a chat's assistant turns only: as many as they hold
         from scale.data import micro_batch_weights
@@ -367,8 +371,7 @@ def clip_gradients(model, max_norm):
 # The layer search (Sec. 3.2): what the loop asks of one is surgery.LayerSearch's protocol
 
 class GumbelTopKSearch(LayerSearch):
-    """The paper's search: scores S (one per layer) with their own Adam, a Gumbel-TopK mask each
-    step, during the first T_M = --search-frac of the T steps."""
+    """The paper's search: scores S with their own Adam, a Gumbel-TopK mask each step, T_M steps."""
 
     in_loop = True
 
@@ -403,8 +406,7 @@ class GumbelTopKSearch(LayerSearch):
         return torch.ones(self.L, device=self.S.device).index_put((self.free,), sub)
 
     def step(self):
-        """Alg. 1 l.5: S <- S - lr_S dL/dS. Each rank's dL/dS comes from its own micro-batches: the
-        mean over the ranks is the whole batch's (FSDP averages only the model's weights)."""
+        """Alg. 1 l.5: S <- S - lr_S dL/dS, dL/dS averaged over the ranks (FSDP averages Theta's)."""
         self.average_grad()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -494,7 +496,7 @@ def build_teacher_cache(args, tok, data=None, tokens=None):
     """The teacher's targets for `tokens` training tokens of `data` (default: this run's budget of
     --data), in a folder keyed by everything they depend on, built now, before the student exists:
     the teacher and the student are never in memory together."""
-    data, tokens = data or args.data, tokens or args.steps * args.batch_size * args.seq_len
+    data, tokens = data or args.data, tokens or sequences_read(args.steps, args) * args.seq_len
     if tokens == 0:  # nothing to train (--steps 0): calibration reads --data
         return None
     ident = {**model_fingerprint(args.model), "seq_len": args.seq_len, "topk": args.topk,
@@ -513,7 +515,7 @@ def build_teacher_cache(args, tok, data=None, tokens=None):
 
 def schedule_line(args, world, cache=None):
     """T, T_M, the tokens, and how often they read the cached training text (a warning past once)."""
-    tokens = args.steps * args.batch_size * args.seq_len
+    tokens = sequences_read(args.steps, args) * args.seq_len
     line = (f"plan: T {args.steps} (search T_M {args.search_steps}, warm-up "
             f"{at(args.warmup, args.steps)}) | {tokens:,} tokens | {args.batch_size} x "
             f"{args.seq_len} tokens a step on {world} rank(s)")
@@ -535,6 +537,7 @@ def resolve_args(args, L, world, cache=None):
         args.samples = cache.samples or args.samples
     if args.steps is None:
         args.steps = math.ceil(args.tokens / (args.batch_size * args.seq_len))
+    args.search_batch_size = args.search_batch_size or args.batch_size
     if args.logit_chunk is None:
         args.logit_chunk = 256 if world > 1 else 0
     in_loop = registered(SEARCHES, args.search).in_loop and args.steps and args.search_frac > 0
@@ -572,12 +575,13 @@ def check_args(args, config, L, world, vocab=0):
                       "process on the plain logits path (--logit-chunk 0): the teacher beside it")
     if args.plan:  # a plan is for any world: the rest is checked when the run starts
         return protected
-    if args.batch_size % (world * args.micro_batch):
-        raise E3Error(f"--batch-size {args.batch_size} must be a multiple of ranks x --micro-batch "
-                      f"({world} x {args.micro_batch})")
-    if (args.batch_size // args.micro_batch) % args.masks_per_step:
-        raise E3Error(f"--masks-per-step {args.masks_per_step} must divide the "
-                      f"{args.batch_size // args.micro_batch} micro-batches of a step")
+    for flag, batch in ("--batch-size", args.batch_size), ("--search-batch-size", args.search_batch_size):
+        if batch % (world * args.micro_batch):
+            raise E3Error(f"{flag} {batch} must be a multiple of ranks x --micro-batch ({world} x "
+                          f"{args.micro_batch})")
+    if (args.search_batch_size // args.micro_batch) % args.masks_per_step:
+        raise E3Error(f"--masks-per-step {args.masks_per_step} must divide a search step's "
+                      f"{args.search_batch_size // args.micro_batch} micro-batches")
     check_removable(config, args.layers)  # a layout the config cannot express: stop now
     for note in serving_notes(config, args.layers):  # where an engine would differ
         print0(f"warning: {note}")
@@ -594,8 +598,7 @@ def full_teacher(args, cache):
 
 
 def make_losses(args, vocab, world):
-    """losses(model, batch, kinds): kd.py's on the plain logits, or under --logit-chunk the LM head
-    fused with the loss (scale/fused_loss.py), checked against kd.py's at first use."""
+    """losses(model, batch, kinds): kd.py's on the logits, or the LM head fused with them (scale/)."""
     autocast = args.device.type == "cuda" and world == 1  # bf16 matmuls; FSDP2 casts by its policy
     losses = plain_losses(vocab, autocast=autocast)
     if args.logit_chunk:
@@ -735,7 +738,8 @@ def main(argv=None):
         summary = resumed.get("summary", {})
         run.load_into(resumed["path"], model, opt)
         run.truncate_log(step)
-        print0(f"resumed from {resumed['path']} at step {step}")
+        print0(f"resumed from {resumed['path']} at step {step} "
+               f"({'search' if kept is None else 'finetune'})")
     search = registered(SEARCHES, args.search)(S0, args, L, T, protected, args.device)
     if resumed is not None:
         search.load_state_dict(resumed["search"])
@@ -750,7 +754,7 @@ def main(argv=None):
 
     # ================= STAGE 2: SEARCH, THEN FINE-TUNE (Alg. 1) =================
     # ------------------------- TRAINING SECTION BEGIN -------------------------
-    tokens_per_step, first = args.batch_size * args.seq_len, step
+    first = step
     while True:  # Alg. 1 l.1: for t = 1..T; this iteration first closes step `step`, then runs t
         if kept is None and step == min(T_M, T):  # the search is over (T_M = 0: none ran): the
             gates.remove()  # cut, Alg. 1's return; from here the model is plainly the k kept layers
@@ -774,7 +778,8 @@ def main(argv=None):
         if searching:  # Alg. 1 l.2: tau_t, k'_t, and this step's Gumbel draw
             search.begin_step(t)
         source, kind = (search_cache, args.search_loss) if searching else (cache, args.loss)
-        n_micro = args.batch_size // (world * args.micro_batch)
+        seqs = args.search_batch_size if searching else args.batch_size  # the step's global batch
+        n_micro = seqs // (world * args.micro_batch)
         # Alg. 1 l.4: M = Gumbel-TopK(S, tau, k'), rebuilt for each micro-batch (each backward frees
         # its graph from S to M~); j = rank x n_micro + m, the micro-batch's place in the global batch
         draw = lambda m: search.sample_mask(rank * n_micro + m)  # noqa: E731
@@ -788,17 +793,18 @@ def main(argv=None):
             run.log(event="search", step=t, scores=search.S.detach().cpu().tolist(), mask=masks[0],
                     **({"masks": masks} if len(masks) > 1 else {}), **search.log_fields())
         step, dt = t, time.time() - t_step
-        run.log(event="train", step=t, phase="search" if searching else "finetune", loss=loss,
-                lr=lr, tokens=t * tokens_per_step, tok_per_s=tokens_per_step / dt, grad_norm=norm)
+        run.log(event="train", step=t, phase="search" if searching else "finetune", loss=loss, lr=lr,
+                tokens=sequences_read(t, args) * args.seq_len, tok_per_s=seqs * args.seq_len / dt,
+                grad_norm=norm)
         where = "".join(f" | {k} {v:.3g}" for k, v in search.log_fields().items()) if searching else ""
         print0(f"step {t}/{T} | {'search' if searching else 'finetune'} | loss {loss:.4f} | "
-               f"lr {lr:.2e}{where} | {tokens_per_step / dt:.0f} tok/s | {time.time() - t0:.1f}s")
+               f"lr {lr:.2e}{where} | {seqs * args.seq_len / dt:.0f} tok/s | {time.time() - t0:.1f}s")
     # -------------------------- TRAINING SECTION END --------------------------
 
     # =============================== STAGE 3: EXPORT ===============================
     export(model, args, rank, kept, L, tok, search, S0)
     summary = {"kept_layers": kept, "layers": f"{L} -> {len(kept)}",
-               "tokens_trained": T * tokens_per_step, **search.summary(),
+               "tokens_trained": sequences_read(T, args) * args.seq_len, **search.summary(),
                **{k: v for k, v in summary.items() if v is not None},
                "minutes": round((time.time() - t0) / 60, 2), "model": str(Path(args.out) / "model")}
     run.log(event="done", step=T, **summary)
@@ -811,7 +817,7 @@ def export(model, args, rank, kept, L, tok, search, S0):
     checkpoint, beside pruning.json: enough to redo it (the flags) or compare it (the tokens)."""
     info = {"source_model": args.model, "method": f"init={args.init} search={args.search} "
             f"loss={args.loss}", "flags": run_identity(args),
-            "tokens_trained": args.steps * args.batch_size * args.seq_len,
+            "tokens_trained": sequences_read(args.steps, args) * args.seq_len,
             "search_forward_tokens": 0, **search.summary(), "initial_scores": S0.tolist(),
             "final_scores": search.S.detach().cpu().tolist()}
     if torch.distributed.is_initialized():

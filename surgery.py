@@ -230,7 +230,7 @@ class LayerSearch:
     @staticmethod
     def tokens_read(args):
         """The training tokens the search reads (its --search-data cache holds as many)."""
-        return args.search_steps * args.batch_size * args.seq_len
+        return args.search_steps * args.search_batch_size * args.seq_len
 
     def prepare(self, model, cache, losses, log):
         pass

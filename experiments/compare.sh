@@ -21,8 +21,8 @@
 # warm-up T/20, cosine, lr 1e-4, score lr 0.05, top-10 AKD, 40 calibration sequences; EvoPress's
 # own evo settings) on SmolLM2-135M 30 -> 20 and Gemma-3-270M 18 -> 12 (experiments/gemma.py),
 # 128 x 128 = 16,384 tokens a step, seeds 0-2 of E3, KL one-shot and evo (+ AKD), and the ablation:
-# E3 with 1K / 4K / 16K (E3 itself) / 64K tokens a search step, the fine-tune's batch unchanged
-# (prune.py --search-batch-size: the arms are skipped, said so, while prune.py lacks it). Training
+# E3 with 1K / 4K / 16K (E3 itself) / 64K tokens a search step (prune.py --search-batch-size), the
+# search's 120 steps and the fine-tune's batch unchanged. Training
 # text: experiments/domains.py's paper-corpus (2.6M tokens, the held-out texts left out); at 16K
 # tokens a step the fine-tune reads its 2.5M training tokens ~7.9 times. One teacher cache per
 # model, built first, read by every run (--cache). Scored and recorded as the series is; records in
@@ -173,7 +173,6 @@ print({c: round(v['ppl'], 2) for c, v in r['corpora'].items()})" $out)"
     # batch unchanged; E3 itself is the 16K arm
     METHOD+=([e3-sb1k]="--search-batch-size 8" [e3-sb4k]="--search-batch-size 32"
              [e3-sb64k]="--search-batch-size 512" [e3-sb128k]="--search-batch-size 1024")
-    sb=$(python prune.py --help | grep -c -- --search-batch-size || true)
     T=${STEPS:-1200} B=${BATCH:-128} G=""; CK=${CKPT:-600}; O0=${RESULTS:-experiments/results-paper}
     if [ $1 = paper-regime-cpu ]; then  # the series' P: 8 x 128 tokens a step, nice 19
       B=${BATCH:-8} MICRO=${MICRO:-4} CK=${CKPT:-50} O0=${RESULTS:-experiments/results-paper-cpu}
@@ -202,9 +201,6 @@ print({c: round(v['ppl'], 2) for c, v in r['corpora'].items()})" $out)"
       P="--model $MP --keep $keep --cache $C --steps $T --batch-size $B --micro-batch $micro --ckpt-every $CK $G"
       for s in ${SEEDS:-0 1 2}; do
         for m in ${METHODS:-kl-oneshot e3-akd evo e3-sb1k e3-sb4k e3-sb64k}; do
-          if [[ $m == e3-sb* ]] && [ "$sb" = 0 ]; then
-            echo "skipped $m$X-s$s: prune.py has no --search-batch-size yet"; continue
-          fi
           [[ $m == e3-sb* ]] && [ $model != smollm2 ] && continue  # the ablation: SmolLM2 only
           launch $m $s
         done

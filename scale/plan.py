@@ -124,8 +124,8 @@ def flops_per_token(model, seq_len, n_layers=None, train=True):
 def run_flops(args, model, L):
     """(training FLOPs, teacher-cache FLOPs, tokens): the search's T_M steps at L layers, the rest at
     the kept k, and the teacher's forward over every trained token."""
-    step_tokens = args.batch_size * args.seq_len
-    search, after = args.search_steps * step_tokens, (args.steps - args.search_steps) * step_tokens
+    search = args.search_steps * args.search_batch_size * args.seq_len  # --search-batch-size
+    after = (args.steps - args.search_steps) * args.batch_size * args.seq_len
     train = (search * flops_per_token(model, args.seq_len, L)
              + after * flops_per_token(model, args.seq_len, args.keep))
     cache = (search + after) * flops_per_token(model, args.seq_len, L, train=False)

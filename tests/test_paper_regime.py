@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # the default run: E3 on the SmolLM2 stand-in, every line of the mode but the other methods' flags;
 # -m slow: the whole grid, both models (~5 minutes here)
-GRIDS = [pytest.param("smollm2", "e3-akd", id="e3"),
+GRIDS = [pytest.param("smollm2", "e3-akd e3-sb1k", id="e3"),
          pytest.param("smollm2 gemma3", "kl-oneshot e3-akd evo e3-sb1k", id="grid",
                       marks=pytest.mark.slow)]
 
@@ -39,13 +39,7 @@ def test_the_grid_command_at_tiny_sizes(tmp_path, make_tiny, models, methods):
     smol, gemma = tmp_path / "results", tmp_path / "results-gemma3"
     names = {p.stem for p in smol.glob("*.json")} | {p.stem for p in gemma.glob("*.json")}
     expect = {f"{m}-paper{'-gemma' if model == 'gemma3' else ''}-s0" for model in models.split()
-              for m in methods.split() if not m.startswith("e3-sb")}
-    ablation = "--search-batch-size" in subprocess.run(
-        [sys.executable, "prune.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
-    if "e3-sb1k" in methods and ablation:  # the ablation's arm, where prune.py has the flag
-        expect.add("e3-sb1k-paper-s0")
-    elif "e3-sb1k" in methods:  # else said to be skipped
-        assert "skipped e3-sb1k-paper-s0" in done.stdout
+              for m in methods.split() if model == "smollm2" or not m.startswith("e3-sb")}
     assert names == expect
     for name in expect:
         r = json.loads(next(p for p in (smol / f"{name}.json", gemma / f"{name}.json")
@@ -54,6 +48,7 @@ def test_the_grid_command_at_tiny_sizes(tmp_path, make_tiny, models, methods):
         assert r["flags"]["steps"] == 10 and r["flags"]["search_frac"] == 0.1  # T_M = 1
         assert r["flags"]["lr"] == 1e-4 and r["flags"]["warmup"] == "T/20"  # the paper's
         assert len(r["kept_layers"]) == (12 if "gemma" in name else 20)
+        assert r["flags"]["search_batch_size"] == (8 if name.startswith("e3-sb1k") else 4)
         s = r["search"]
         assert s["kl_kept"] == seeds.kl_top_k(json.loads(
             (tmp_path / "runs" / name / "model" / "pruning.json").read_text())["initial_scores"],

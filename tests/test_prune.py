@@ -72,7 +72,7 @@ def test_every_seed_has_its_own_data_order_in_every_epoch():
     import prune
 
     def epoch(seed, e, n=16, b=8):  # two steps an epoch
-        args = SimpleNamespace(batch_size=b, seed=seed)
+        args = SimpleNamespace(batch_size=b, search_batch_size=b, search_steps=0, seed=seed)
         return sum((prune.batch_indices(step, args, n, 0, 1) for step in (2 * e, 2 * e + 1)), [])
     assert epoch(0, 0) == torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist()
     assert sorted(epoch(0, 1)) == list(range(16)) and epoch(0, 1) != epoch(1, 0)
@@ -690,3 +690,21 @@ def test_a_tokenizer_with_more_ids_than_the_embedding_is_refused_before_any_work
     with pytest.raises(E3Error, match="49152 ids outnumber the model's 1000 embedding rows"):
         prune.main(["--model", str(tmp_path / "m"), "--keep", "2", "--out", str(tmp_path / "run")])
     assert not (tmp_path / "run").exists()
+
+
+def test_the_search_steps_read_their_own_batch_size(make_tiny, corpus, tmp_path):
+    """--search-batch-size: the search's T_M steps read that many sequences a step, the fine-tune
+    --batch-size (the ablation of the tokens a search step sees, its steps and the fine-tune held):
+    the tokens logged step by step and in the summary, written out here; a batch the ranks and
+    micro-batches cannot split is one error line."""
+    out = tmp_path / "run"
+    args = tiny_args(make_tiny("llama", L), corpus, out, "--search-batch-size", "2")
+    run(args, tmp_path)  # 8 steps, a search of 4 at 2 x 32 tokens, then 4 at 4 x 32
+    tokens = [e["tokens"] for e in events(out, "train")]
+    assert tokens == [64, 128, 192, 256, 384, 512, 640, 768]
+    done = events(out, "done")[0]
+    assert done["tokens_trained"] == 768
+    assert json.loads((out / "model" / "pruning.json").read_text())["tokens_trained"] == 768
+    r = run(args[:-2] + ["--out", str(tmp_path / "bad"), "--search-batch-size", "3", "--micro-batch", "2"],
+            tmp_path, check=False)
+    assert r.returncode == 2 and "--search-batch-size 3 must be a multiple" in r.stderr
