@@ -22,14 +22,11 @@ This file is also where a model and a corpus are read (every script starts here)
   token file   tokenised once into TOKEN_DIR/<key>/tokens.bin (uint16 or uint32 ids), then
                memory-mapped a slice at a time (nanoGPT's prepare.py): host memory stays flat.
 
-A cache folder: shards train-00000.safetensors, ..., val-00000.safetensors (input_ids (n,T),
-topk_ids (n,T,K), topk_logprobs (n,T,K) fp16, entropy (n,T) fp32: 46 bytes a token at K = 10) and
-meta.json, written last (it exists == complete): the identity (model, tokenizer, K, T, the tokens'
-hash), the targets, each shard's size and sha256. --targets sampled stores N draws a position
-(sample_ids (n,T,N), seeded per shard) instead of the top-K, hybrid the top-K and N draws from the
-rest (kd.py). Under torchrun rank r computes shards r, r + N, ...: the cache does not depend on the
-number of ranks. A shard is written under a temporary name and renamed: a killed build reruns the
-same command and computes only the missing shards.
+A cache folder: shards train-00000.safetensors, ... (input_ids, topk_ids, topk_logprobs fp16,
+entropy fp32: 46 bytes a token at K = 10; sampled and hybrid targets: sample_ids, kd.py) and
+meta.json, written last: the identity (model, tokenizer, K, T, the tokens' hash), each shard's size
+and sha256. Rank r of N computes shards r, r + N, ...; each is renamed into place when whole, so a
+killed build reruns the same command and computes only the missing shards.
 """
 import argparse
 import hashlib

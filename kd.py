@@ -28,9 +28,8 @@ Beyond the paper, targets without that bias (kd.TARGETS; each batch's "targets" 
   full     the teacher's whole distribution, run beside the student (--kd-full, one process)
 AKD's weight H_t is the teacher's full-softmax entropy whichever targets (eq. 13).
 
-Under torchrun (or --logit-chunk) prune.py computes these losses with the LM head fused in, chunk by
-chunk over tokens (scale/fused_loss.py), and checks at its first call that it agrees with the
-function here: a loss the fused path does not implement is refused, never replaced by eq. 12.
+Under torchrun (or --logit-chunk) the LM head runs fused with these losses (scale/fused_loss.py),
+checked against the functions here at its first call: a loss it does not implement is refused.
 """
 import torch
 import torch.nn.functional as F
