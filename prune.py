@@ -526,7 +526,7 @@ def schedule_line(args, world, cache=None):
     return line
 
 
-def resolve_args(args, L, world, cache=None):
+def resolve_args(args, world, cache=None):
     """What the flags leave to the model, the world and a given cache: k and the method from
     --layers, the cache's seq-len and targets, T from the budget, T_M, the logit chunk; for a run,
     the micro-batch and checkpointing (on a GPU the plan's pick for the card, scale/plan.py)."""
@@ -708,7 +708,7 @@ def main(argv=None):
     L = len(decoder_layers(shape))
     cache = TeacherCache(args.cache, tok, seq_len=args.seq_len) if args.cache else None
     vocab = cache.vocab_size if cache else vocab_size(tok)  # the ids a batch holds, all < vocab
-    resolve_args(args, L, world, cache)
+    resolve_args(args, world, cache)
     protected = check_args(args, shape.config, L, world, vocab)
     T, T_M = args.steps, args.search_steps
     args.out = args.out or f"runs/{Path(args.model).name}-keep{args.keep}"

@@ -116,7 +116,7 @@ def prune_args(L=30, *flags, search_steps=None):
     """prune.py's settings, parsed and resolved by prune.py itself (every field its search and cut
     read, at the demo's defaults) for an L-layer model, so the benchmarks never miss a flag."""
     args = prune.parse_args(["--keep", str(KEEP), *flags])
-    prune.resolve_args(args, L, 1)
+    prune.resolve_args(args, 1)
     if search_steps is not None:  # T_M
         args.search_steps = search_steps
     return args

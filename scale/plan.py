@@ -63,6 +63,7 @@ FLOPs a parameter).
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 from surgery import decoder_layers
 
@@ -333,10 +334,14 @@ def print_plan(args):
     (evo, random), then plan()'s lines per GPU kind; the last line one JSON object."""
     import prune
     from scale.fsdp import meta_model
-    ranks = args.plan
+    ranks, cache = args.plan, None
+    if args.cache:  # a given cache fixes seq-len and its targets, as for the run: its meta.json
+        meta = json.loads((Path(args.cache) / "meta.json").read_text())
+        cache = SimpleNamespace(seq_len=meta["seq_len"], topk=meta["topk"], samples=meta.get("samples"),
+                                targets=meta.get("targets", "topk"))
+    prune.resolve_args(args, ranks, cache)  # before the cache's bytes a token are counted
     model, bytes_a_token = meta_model(args)
     L = len(decoder_layers(model))
-    prune.resolve_args(args, L, ranks)
     prune.check_args(args, model.config, L, ranks)
     cache_bytes = bytes_a_token * args.steps * args.batch_size * args.seq_len
     lines, summary = plan(args, model, L, ranks, cache_bytes=cache_bytes)

@@ -102,7 +102,7 @@ def test_search_steps_are_the_search_fraction_of_T_rounded_half_up(frac, T, T_M)
     0.1 x 25 = 2.5 alike), at least one step when there is a search, none at --search-frac 0."""
     import prune
     args = prune.parse_args(["--model", "m", "--keep", "4", "--steps", str(T), "--search-frac", str(frac)])
-    prune.resolve_args(args, L, 1)
+    prune.resolve_args(args, 1)
     assert args.search_steps == T_M
 
 
