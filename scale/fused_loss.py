@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import kd
 from architectures.logits import logit_transform, model_logits
-from cache_teacher import E3Error
+from cache_teacher import E3Error, all_gather
 from scale.vocab_parallel import VocabShard, assert_ids
 from surgery import decoder_layers, hidden_out
 
@@ -442,13 +442,4 @@ class FusedLoss:
             raise E3Error(f"the fused LM head's '{kind}' loss is {fused.item():.6g} where kd.py's "
                           f"is {plain.item():.6g}: kd.py (or the model's logit transform) computes "
                           f"something scale/fused_loss.py does not; run with --logit-chunk 0")
-        return _on_any_rank(bool(len(hits)))
-
-
-def _on_any_rank(flag):
-    """flag or'ed over the ranks (a host value: for a check done once, not a micro-batch's)."""
-    if not torch.distributed.is_initialized():
-        return flag
-    t = torch.tensor([float(flag)])  # a CPU tensor: gloo's, beside NCCL on GPUs
-    torch.distributed.all_reduce(t, torch.distributed.ReduceOp.MAX)
-    return bool(t.item())
+        return any(all_gather(bool(len(hits))))  # once a kind, not a micro-batch: a host value

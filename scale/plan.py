@@ -170,12 +170,18 @@ def activation_bytes(cfg, mode, residual_bytes, measured):
     return formula * scale, f"formula x {scale:.3f} measured"
 
 
+def state_bytes(params, ranks):
+    """fp32 weights, gradients and AdamW's two moments: 16 B a trainable parameter, 4 B a frozen
+    one (LoRA's base), split over the ranks by FSDP."""
+    params = list(params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    return (16 * trainable + 4 * (sum(p.numel() for p in params) - trainable)) / ranks
+
+
 def memory(args, model, ranks, micro_batch, mode, measured=None):
     """Bytes on each of `ranks` GPUs in a search step (the module's docstring), by part."""
     measured = {} if measured is None else measured
-    cfg, layers, params = text_config(model), decoder_layers(model), list(model.parameters())
-    trainable = sum(p.numel() for p in params if p.requires_grad)
-    frozen = sum(p.numel() for p in params) - trainable
+    cfg, layers = text_config(model), decoder_layers(model)
     tokens, V, d = micro_batch * args.seq_len, cfg.vocab_size, cfg.hidden_size
     fsdp = ranks > 1
     chunk = (args.logit_chunk or 256) if fsdp else args.logit_chunk
@@ -185,7 +191,7 @@ def memory(args, model, ranks, micro_batch, mode, measured=None):
     K = 0 if args.targets == "sampled" else args.topk
     N = 0 if args.targets == "topk" else args.samples
     return {
-        "state": (16 * trainable + 4 * frozen) / ranks,
+        "state": state_bytes(model.parameters(), ranks),
         "activations": tokens * (len(layers) * act + recompute),
         "unit": (10 * max(sum(p.numel() for p in layer.parameters()) for layer in layers) if fsdp
                  else 2 * (matmul_params((p for layer in layers for p in layer.parameters()), top_k)
@@ -314,14 +320,9 @@ def plan(args, model, L, ranks, cache_bytes=None, measured=None, gpu="H100"):
 # prune.py's two uses: --plan RANKS, and the micro-batch a GPU run picks
 
 def state_line(args, ranks, model, L):
-    """Parameters, and per rank the bytes of fp32 weights, gradients and AdamW (16 B per trainable
-    parameter, 4 B per frozen one, split over the ranks by FSDP) before and after the cut."""
-    def state_gb(params):
-        params = list(params)
-        frozen = sum(p.numel() for p in params if not p.requires_grad)
-        return (4 * frozen + 16 * (sum(p.numel() for p in params) - frozen)) / ranks / GB
-    search = state_gb(model.parameters())
-    after = search - (L - args.keep) * state_gb(decoder_layers(model)[-1].parameters())
+    """Parameters, and per rank the state (state_bytes) before and after the cut."""
+    search = state_bytes(model.parameters(), ranks) / GB
+    after = search - (L - args.keep) * state_bytes(decoder_layers(model)[-1].parameters(), ranks) / GB
     n = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return (f"plan: {n / 1e6:,.1f}M params ({trainable / 1e6:,.1f}M trainable) | weights+grads+Adam "

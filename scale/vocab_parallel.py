@@ -162,9 +162,8 @@ class _VocabParallelLookup(torch.autograd.Function):
         # (a missing row would otherwise look up as zeros)
         assert_ids(every, shard.V, TOKEN_IDS.format(bad="", rows=shard.V))
         local, here = shard.local_rows(every, rows.shape[0])
-        x = rows.new_zeros(len(every), rows.shape[1])
-        if rows.shape[0]:  # the rows held here, zeros for the others
-            x = nn.functional.embedding(local, rows).masked_fill_(~here[:, None], 0)
+        x = (nn.functional.embedding(local, rows).masked_fill_(~here[:, None], 0) if rows.shape[0]
+             else rows.new_zeros(len(every), rows.shape[1]))  # the rows held here, zeros for others
         # summed over ranks: each token's row, from the rank that has it (one non-zero addend: the
         # cast to the compute dtype first is exact, and halves the bytes in bf16)
         x = shard.scatter_tokens(x.to(dtype or x.dtype))
