@@ -158,6 +158,8 @@ def parse_args(argv=None):
     g.add_argument("--ckpt-every", type=steps_or_fraction, default=PAPER["ckpt_every"],
                    help="checkpoint every N steps (or T/n)")
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    g.add_argument("--until", help="stop after this step ('cut': T_M), checkpointed, nothing "
+                   "exported; the cache covers the steps run; --resume without it goes on to T")
     if p.parse_known_args(argv)[0].model is None:
         # the demo preset; flags given on the line still win (seq-len: below, unless a cache sets it)
         p.set_defaults(**{k: v for k, v in DEMO.items() if k != "seq_len"})
@@ -480,7 +482,7 @@ def prune_to_top_k(model, opt, search, args):
 
 # what may change between --resume's: the objective (the global batch's mean) does not depend on it
 NOT_IDENTITY = {"resume", "eval_every", "ckpt_every", "plan", "logit_chunk", "device", "search_steps",
-                "micro_batch", "activation_checkpointing", "compile"}
+                "micro_batch", "activation_checkpointing", "compile", "until"}
 
 
 def run_identity(args):
@@ -496,7 +498,7 @@ def build_teacher_cache(args, tok, data=None, tokens=None):
     """The teacher's targets for `tokens` training tokens of `data` (default: this run's budget of
     --data), in a folder keyed by everything they depend on, built now, before the student exists:
     the teacher and the student are never in memory together."""
-    data, tokens = data or args.data, tokens or sequences_read(args.steps, args) * args.seq_len
+    data, tokens = data or args.data, tokens or sequences_read(args.until, args) * args.seq_len
     if tokens == 0:  # nothing to train (--steps 0): calibration reads --data
         return None
     ident = {**model_fingerprint(args.model), "seq_len": args.seq_len, "topk": args.topk,
@@ -544,6 +546,7 @@ def resolve_args(args, world, cache=None):
     # T_M = round(search_frac T), halves up (0.1 x 25: 3), at least one step when there is a search
     t_m = math.floor(Fraction(str(args.search_frac)) * args.steps + Fraction(1, 2))
     args.search_steps = max(1, t_m) if in_loop else 0
+    args.until = args.search_steps if args.until == "cut" else min(int(args.until or args.steps), args.steps)
     if args.plan:  # the plan picks them for each kind of GPU
         return
     if torch.cuda.is_available() and not (args.micro_batch and args.activation_checkpointing):
@@ -766,12 +769,12 @@ def main(argv=None):
             if kept is None:  # never a sampled mask: the set the cut would keep now
                 gates.mask = keep_mask(search.kept(), L, args.device)
             summary["val_final"] = val(f"step {step}", step)
-        if step > first and step % at(args.ckpt_every, T) == 0 and step < T:  # at T: the export
-            # beside the DCP shards: where the loop stands, the search's state (S, its Adam, the
-            # Gumbel generator), so that the resumed run draws what this one would, and the summary
+        if step > first and (step % at(args.ckpt_every, T) == 0 or step == args.until) and step < T:
+            # beside the DCP shards (at T: the export instead): where the loop stands, the search's
+            # state (S, its Adam, the Gumbel generator), so that a resume draws what this run would
             run.save(step, model, opt, {"kept": kept, "init_scores": S0, "search":
                                         search.state_dict(), "summary": summary})
-        if step == T:
+        if step in (T, args.until):
             break
         t, t_step, searching = step + 1, time.time(), kept is None
         lr = begin_step(opt, t, args, rank)
@@ -800,6 +803,9 @@ def main(argv=None):
         print0(f"step {t}/{T} | {'search' if searching else 'finetune'} | loss {loss:.4f} | "
                f"lr {lr:.2e}{where} | {seqs * args.seq_len / dt:.0f} tok/s | {time.time() - t0:.1f}s")
     # -------------------------- TRAINING SECTION END --------------------------
+    if step < T:  # --until: checkpointed above; what the search did, for stage-by-stage studies
+        return stopped(args, run, step, kept or search.kept(), L, search, S0,
+                       {**summary, "minutes": round((time.time() - t0) / 60, 2)})
 
     # =============================== STAGE 3: EXPORT ===============================
     export(model, args, rank, kept, L, tok, search, S0)
@@ -812,14 +818,33 @@ def main(argv=None):
     return model
 
 
-def export(model, args, rank, kept, L, tok, search, S0):
-    """OUT/model: the kept weights (FSDP2's gathered onto rank 0, LoRA's folded in) as a plain HF
-    checkpoint, beside pruning.json: enough to redo it (the flags) or compare it (the tokens)."""
-    info = {"source_model": args.model, "method": f"init={args.init} search={args.search} "
-            f"loss={args.loss}", "flags": run_identity(args),
-            "tokens_trained": sequences_read(args.steps, args) * args.seq_len,
+def run_info(args, step, search, S0):
+    """What a run did by step: enough to redo it (the flags) or compare it (the tokens, the scores)."""
+    return {"source_model": args.model, "method": f"init={args.init} search={args.search} "
+            f"loss={args.loss}", "flags": run_identity(args), "step": step,
+            "tokens_trained": sequences_read(step, args) * args.seq_len,
             "search_forward_tokens": 0, **search.summary(), "initial_scores": S0.tolist(),
             "final_scores": search.S.detach().cpu().tolist()}
+
+
+def stopped(args, run, step, kept, L, search, S0, summary):
+    """--until: OUT/stopped.json, pruning.json's fields at this step (the kept set: the cut's, or the
+    one it would make now) with the validations and the search's score trajectory from log.jsonl."""
+    log = [json.loads(e) for e in (Path(args.out) / "log.jsonl").read_text().splitlines()] \
+        if run.rank == 0 else []
+    info = {**run_info(args, step, search, S0), "layers_before": L, "kept_layers": kept, **summary,
+            "trajectory": [e["scores"] for e in log if e["event"] == "search"]}
+    if run.rank == 0:
+        (Path(args.out) / "stopped.json").write_text(json.dumps(info, indent=1) + "\n")
+    print0(f"stopped at step {step} of {args.steps} (--until): kept {kept}; {args.out}/stopped.json; "
+           f"--resume without --until goes on to T")
+    return info
+
+
+def export(model, args, rank, kept, L, tok, search, S0):
+    """OUT/model: the kept weights (FSDP2's gathered onto rank 0, LoRA's folded in) as a plain HF
+    checkpoint, beside pruning.json (run_info)."""
+    info = run_info(args, args.steps, search, S0)
     if torch.distributed.is_initialized():
         from scale.fsdp import full_state_dict
         state = full_state_dict(model)

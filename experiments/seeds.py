@@ -140,15 +140,17 @@ def search_record(info):
 def record(run_dir, method, seed, out, *evals):
     """One run's numbers: its layer set, its budget and, per held-out corpus, ppl / KL / top-1 (and
     the mass off the teacher's top-K, in runs scored since evaluate.py reports it)."""
-    run_dir = Path(run_dir)
-    info = json.loads((run_dir / "model" / "pruning.json").read_text())
+    run_dir = Path(run_dir)  # a run stopped by --until: its stopped.json, the same fields
+    exported = run_dir / "model" / "pruning.json"
+    info = json.loads((exported if exported.exists() else run_dir / "stopped.json").read_text())
     done = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()
             if '"done"' in line]
     res = {"method": method, "seed": int(seed), "kept_layers": info.get("kept_layers"),
            "layers_before": info.get("layers_before"),
            "tokens_trained": info.get("tokens_trained"),
            "search_forward_tokens": info.get("search_forward_tokens", 0),
-           "minutes": done[-1].get("minutes") if done else None, "flags": info.get("flags"),
+           "minutes": done[-1].get("minutes") if done else info.get("minutes"),
+           "flags": info.get("flags"), "step": info.get("step"),
            "search": search_record(info),
            "python": platform.python_version(), "torch": torch.__version__, "corpora": {}}
     for path in evals:

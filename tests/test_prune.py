@@ -724,3 +724,44 @@ def test_compile_and_selective_checkpointing_train_what_eager_trains(make_tiny, 
         assert abs(a["loss"] - b["loss"]) < 1e-3
     w, v = weights(tmp_path / "eager"), weights(tmp_path / "compiled")
     assert sorted(w) == sorted(v) and max((w[k] - v[k]).abs().max().item() for k in w) < 1e-4
+
+
+def test_until_stops_at_the_cut_and_resume_goes_on_as_one_run(make_tiny, corpus, tmp_path):
+    """--until cut: the first T_M steps of the T-step run (its schedules), checkpointed, stopped.json
+    written, nothing exported; --resume without it then goes on to T. On one given cache the two
+    halves are the uninterrupted run: the same layers, losses and weights."""
+    model = make_tiny("llama", L)
+    cache = tmp_path / "cache"
+    subprocess.run([sys.executable, str(ROOT / "cache_teacher.py"), "--model", model, "--data", corpus,
+                    "--seq-len", "32", "--max-tokens", str(8 * 4 * 32), "--out", str(cache)], cwd=ROOT,
+                   check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    run(tiny_args(model, corpus, straight, "--cache", str(cache)), tmp_path)
+    proc = run(tiny_args(model, corpus, halves, "--cache", str(cache), "--until", "cut"), tmp_path)
+    assert "stopped at step 4 of 8" in proc.stdout and not (halves / "model").exists()
+    stop = json.loads((halves / "stopped.json").read_text())
+    search = events(halves, "search")
+    assert [e["step"] for e in events(halves, "train")] == [1, 2, 3, 4]
+    assert [e["tau"] for e in search] == [e["tau"] for e in events(straight, "search")]
+    assert stop["initial_scores"] == events(halves, "importance")[0]["scores"]
+    assert stop["final_scores"] == search[-1]["scores"] and stop["trajectory"] == [e["scores"] for e in search]
+    S_T = stop["final_scores"]  # the cut's set: the protected first and last, then the top of S_T
+    assert stop["kept_layers"] == sorted([0, L - 1] + sorted(range(1, L - 1), key=lambda i: -S_T[i])[:K - 2])
+    assert stop["kept_layers"] == events(straight, "pruned")[0]["kept"] and stop["layers_before"] == L
+    (cut_val,) = [e for e in events(halves, "val") if e["when"] == "at pruning"]
+    assert stop["step"] == 4 and stop["val_at_pruning"]["kd"] == round(cut_val["val_loss"], 4)
+    run(tiny_args(model, corpus, halves, "--cache", str(cache), "--resume"), tmp_path)
+    assert [e["loss"] for e in events(halves, "train")] == pytest.approx(
+        [e["loss"] for e in events(straight, "train")], abs=1e-5)
+    a, b = weights(straight), weights(halves)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5, msg=key)
+
+
+def test_until_builds_a_cache_over_only_the_tokens_it_reads(make_tiny, corpus, tmp_path):
+    """With no --cache, a run stopped at the cut caches the teacher on the search's tokens only."""
+    out = tmp_path / "run"
+    run(tiny_args(make_tiny("llama", L), corpus, out, "--until", "cut", "--search-batch-size", "2",
+                  "--micro-batch", "1", "--eval-every", "100"), tmp_path)
+    (meta,) = [json.loads(p.read_text()) for p in (tmp_path / "teacher").glob("*/meta.json")]
+    assert meta["max_tokens"] == 4 * 2 * 32  # T_M steps x 2 sequences x 32 tokens
