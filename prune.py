@@ -521,7 +521,7 @@ def schedule_line(args, world, cache=None):
     line = (f"plan: T {args.steps} (search T_M {args.search_steps}, warm-up "
             f"{at(args.warmup, args.steps)}) | {tokens:,} tokens | {args.batch_size} x "
             f"{args.seq_len} tokens a step on {world} rank(s)")
-    passes = cache and tokens / (cache.len_split("train") * args.seq_len)
+    passes = cache and sequences_read(args.until, args) / cache.len_split("train")  # read by the stop
     line += f" | {passes:.2f} passes over the cached training tokens" if cache else ""
     if passes and passes > 1.01:  # e.g. the paper's budget on the 1.6M-token Shakespeare: ~400
         line += " | WARNING: the corpus is smaller than the budget, sequences repeat: pass more --data"

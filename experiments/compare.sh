@@ -14,7 +14,7 @@
 #   bash experiments/compare.sh targets    # the teacher targets on KL one-shot's layers, seeds 0-2 (X4=1: 4x)
 #   bash experiments/compare.sh table      # the series' table from experiments/results/
 #   bash experiments/compare.sh paper-regime      # the paper's schedule on a GPU (issue 42, below)
-#   bash experiments/compare.sh paper-regime-cpu  # the same schedule at 1K tokens a step, this CPU
+#   (its CPU stages: experiments/paper_cpu.sh, the same schedule at 1K tokens a step)
 #
 # paper-regime: does the Gumbel-TopK search beat its KL initialisation at the paper's step count?
 # The paper's schedule (prune.py's defaults with --model: T = 1200 steps, a 10% search T_M = 120,
@@ -39,9 +39,6 @@
 #   lease 3: MODELS=gemma3 METHODS="kl-oneshot e3-akd" JOBS=6 bash experiments/compare.sh paper-regime
 # each prefixed RUNS=runs/gpu; a call cut off goes on where it stopped on the same warm machine
 # (CKPT steps, the records made); the records come back under experiments/results-paper*.
-# paper-regime-cpu: SmolLM2 only, 8 x 128 = 1,024 tokens a step (the series' P), T = 1200, E3 and
-# KL one-shot, seeds 0-2, JOBS=2 at nice 19, a checkpoint every CKPT = 50 steps, records in
-# experiments/results-paper-cpu: ~100 minutes a run on one thread of this CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=${RUNS:-runs/compare}
@@ -125,7 +122,7 @@ elif [ "$1" = seeds ]; then
   done
   python evaluate.py --model $R/kl-oneshot-seed1 $R/kl-oneshot-seed2 $R/e3-kd-seed1 $R/e3-kd-seed2 \
     $R/e3-akd-seed1 $R/e3-akd-seed2 --no-speed --no-figures --seq-len 128 --max-tokens 16384 --out $R/seeds
-elif [[ " series variants budget4x targets table paper-regime paper-regime-cpu " == *" $1 "* ]]; then
+elif [[ " series variants budget4x targets table paper-regime " == *" $1 "* ]]; then
   # Every method over seeds 0-4 (SEEDS), scored on the held-out end of the training corpus and on two
   # other domains (experiments/domains.py: the Python reference manual, torch's nn/modules source).
   # The seed sets the data order and every random draw (Gumbel noise, mutations, random subsets);
@@ -174,11 +171,6 @@ print({c: round(v['ppl'], 2) for c, v in r['corpora'].items()})" $out)"
     METHOD+=([e3-sb1k]="--search-batch-size 8" [e3-sb4k]="--search-batch-size 32"
              [e3-sb64k]="--search-batch-size 512" [e3-sb128k]="--search-batch-size 1024")
     T=${STEPS:-1200} B=${BATCH:-128} G=""; CK=${CKPT:-600}; O0=${RESULTS:-experiments/results-paper}
-    if [ $1 = paper-regime-cpu ]; then  # the series' P: 8 x 128 tokens a step, nice 19
-      B=${BATCH:-8} MICRO=${MICRO:-4} CK=${CKPT:-50} O0=${RESULTS:-experiments/results-paper-cpu}
-      MODELS=${MODELS:-smollm2} METHODS=${METHODS:-kl-oneshot e3-akd}
-      renice -n 19 $$ > /dev/null  # this driver and every run it starts: beside other work
-    fi
     if [ -n "${TINY:-}" ]; then  # toy models and budget: every line of the mode runs in seconds
       T=${STEPS:-10} B=${BATCH:-4} MICRO=${MICRO:-2} EVAL_TOKENS=${EVAL_TOKENS:-256}
       G="--n-calib 2 --evo-generations 1 --evo-offspring 2 --evo-stages 64:1 --eval-every 5"
@@ -192,7 +184,6 @@ print({c: round(v['ppl'], 2) for c, v in r['corpora'].items()})" $out)"
         MP=${GEMMA3:-$(python experiments/gemma.py)}
         keep=12 micro=${MICRO_GEMMA:-${MICRO:-8}} X=-paper-gemma O=$O0-gemma3 chunk=1024
       fi
-      [ $1 = paper-regime-cpu ] && X=-paper-cpu
       # one teacher cache per model and corpus, built here, before any run reads it
       C=$R/cache-$model-$T-$B; tokens=$(( T * B * ${SEQ:-128} ))
       python cache_teacher.py --model $MP --data $D/paper-corpus.jsonl --seq-len ${SEQ:-128} \

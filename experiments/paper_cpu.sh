@@ -26,14 +26,16 @@ stage=${1:-search}
 R=${RUNS:-runs/paper-cpu} O=${RESULTS:-experiments/results-paper-cpu} D=${RUNS:-runs/paper-cpu}/domains
 ARMS=${ARMS:-smollm2:8:0 gemma3:8:0 smollm2:8:1 smollm2:8:2 smollm2:32:0}
 T=1200 G="--ckpt-every ${CKPT:-20}"
-if [ -n "${TINY:-}" ]; then T=20 G="--n-calib 2 --eval-every 10 --ckpt-every 5"; fi
+E=${EVAL_TOKENS:-16384}  # held-out tokens scored a text
+if [ -n "${TINY:-}" ]; then T=20 G="--n-calib 2 --eval-every 10 --ckpt-every 5" E=256; fi
 if [ $stage = table ]; then
   for o in $O $O-gemma3; do [ -d $o ] && python experiments/seeds.py search $o && python experiments/seeds.py table $o; done
   exit 0
 fi
-renice -n 19 $$ > /dev/null
+[ -n "${TINY:-}" ] || renice -n 19 $$ > /dev/null
 mkdir -p $R/claims
 [ -f $D/paper-corpus.jsonl ] || python experiments/domains.py $D paper-corpus > /dev/null
+[ -f $D/python-docs.jsonl ] || python experiments/domains.py $D > /dev/null  # the held-out domains
 
 arm_run() {  # MODEL SEQS SEED: the arm's prune.py flags (the schedule of the whole T-step run)
   local model=$1 seqs=$2 seed=$3 mp keep
@@ -57,13 +59,15 @@ one() {  # STAGE MODEL SEQS SEED, claimed: one driver runs it
     [ -f $o/${e3/search/paired}.json ] && return 0
     python prune.py $flags --init kl --search none --out $R/$model-$kl --until $(( T / 10 )) --resume > $R/$model-$kl.out 2>&1
     for run in $e3 $kl; do
-      python prune.py $flags ${run/#kl*/--search none} --out $R/$model-$run --resume >> $R/$model-$run.out 2>&1
+      local method=""; [ $run = $kl ] && method="--init kl --search none"
+      python prune.py $flags $method --out $R/$model-$run --resume >> $R/$model-$run.out 2>&1
       for c in shakespeare python-docs torch-code; do
         local data=""; [ $c = shakespeare ] || data="--data $D/$c.jsonl --val-frac 1"
-        python evaluate.py --model $R/$model-$run $data --no-speed --no-figures --seq-len 128 --max-tokens 16384 \
+        python evaluate.py --model $R/$model-$run $data --no-speed --no-figures --seq-len 128 --max-tokens $E \
           --dtype float32 --report $R/$model-$run/eval-$c >> $R/$model-$run.out 2>&1
       done
-      python experiments/seeds.py record $R/$model-$run ${run%-s$seed} $seed $o/${run/search/paired}.json \
+      local paired=${run/search/paired}
+      python experiments/seeds.py record $R/$model-$run ${paired%-s$seed} $seed $o/$paired.json \
         $R/$model-$run/eval-*.json > /dev/null
     done
   fi

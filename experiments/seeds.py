@@ -44,9 +44,13 @@ PAPER_METHODS = {"kl-oneshot": "KL one-shot + AKD", "evo": "evolutionary search 
                  "e3-sb4k": "E3 (AKD), 4K-token search steps",
                  "e3-sb64k": "E3 (AKD), 64K-token search steps",
                  "e3-sb128k": "E3 (AKD), 128K-token search steps"}
-PAPER_RUNS = {f"{m}-paper{cpu}{x}": f"{label}, paper schedule{' at 1K tokens a step (CPU)' if cpu else ''}"
-              f", {model}" for m, label in PAPER_METHODS.items() for x, model in PAPER_MODELS.items()
-              for cpu in ("", "-cpu")}
+PAPER_RUNS = {f"{m}-paper{x}": f"{label}, paper schedule, {model}" for m, label in PAPER_METHODS.items()
+              for x, model in PAPER_MODELS.items()}
+# experiments/paper_cpu.sh: the same schedule in CPU stages (records of one model a folder)
+PAPER_RUNS.update({"e3-sb1k-search": "E3's search alone (to T_M = 120 of T = 1200), 1K-token steps",
+                   "e3-sb4k-search": "E3's search alone (to T_M = 120 of T = 1200), 4K-token steps",
+                   "e3-sb1k-paired": "E3 (AKD), 1K tokens a step, T = 1200",
+                   "kl-oneshot-sb1k-paired": "KL one-shot + AKD, 1K tokens a step, T = 1200"})
 METHODS += list(PAPER_RUNS)
 LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitron-style (BI + KD)",
           "sheared": "Sheared-style (L0 + KD)", "kl-oneshot": "KL one-shot + AKD",
@@ -97,8 +101,8 @@ PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot
          ("hybrid-akd", "full-kd"), ("hybrid-kd-4x", "full-kd-4x"), ("hybrid-kd-4x", "hybrid-kd"),
          ("e3-hybrid", "e3-akd"), ("e3-hybrid", "hybrid-akd"), ("e3-hybrid16", "e3-hybrid")]
 # at the paper's schedule: each search (and each search batch) against KL one-shot, per model
-PAIRS += [(f"{m}-paper{cpu}{x}", f"kl-oneshot-paper{cpu}{x}") for x in PAPER_MODELS
-          for cpu in ("", "-cpu") for m in PAPER_METHODS if m != "kl-oneshot"]
+PAIRS += [(f"{m}-paper{x}", f"kl-oneshot-paper{x}") for x in PAPER_MODELS
+          for m in PAPER_METHODS if m != "kl-oneshot"] + [("e3-sb1k-paired", "kl-oneshot-sb1k-paired")]
 GUMBEL_SD = math.pi / math.sqrt(6)  # the sd of the standard Gumbel noise added to S: 1.28
 
 

@@ -82,3 +82,33 @@ def test_a_search_record():
     assert r["kl_kept"] == [0, 1, 2, 4, 6] and r["swapped"] == 1
     assert r["cut_gap"] == pytest.approx(.1) and r["moved_max"] == pytest.approx(.4)
     assert r["moved_mean"] == pytest.approx(.12) and r["jaccard_kl"] == pytest.approx(4 / 6)
+
+
+def test_the_cpu_stages_at_tiny_size(tmp_path, make_tiny):
+    """experiments/paper_cpu.sh at toy size (T = 20, T_M = 2): stage 1 stops each arm at the cut and
+    records its search; stage 2 runs KL one-shot to the same step on the same cache, then both on
+    to T, scored on the three held-out texts. The E3 fine-tune keeps the set its search stopped
+    with; KL one-shot keeps the top-k of the same S_0."""
+    env = {**os.environ, "TINY": "1", "OMP_NUM_THREADS": "1", "JOBS": "2", "KEEP": "4",
+           "RUNS": str(tmp_path / "runs"), "RESULTS": str(tmp_path / "results"),
+           "SMOLLM2": make_tiny("llama", 6),
+           "E3_TEACHER_CACHE": str(tmp_path / "teacher")}
+    for stage, arms in ("search", "smollm2:8:0"), ("finetune", "smollm2:8:0"):
+        done = subprocess.run(["bash", "experiments/paper_cpu.sh", stage], cwd=ROOT, env={
+            **env, "ARMS": arms}, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    res = tmp_path / "results"
+    search = json.loads((res / "e3-sb1k-search-s0.json").read_text())
+    assert search["step"] == 2 and search["flags"]["steps"] == 20 and search["corpora"] == {}
+    e3, kl = (json.loads((res / f"{m}-sb1k-paired-s0.json").read_text()) for m in ("e3", "kl-oneshot"))
+    assert e3["kept_layers"] == search["kept_layers"] and e3["step"] == kl["step"] == 20
+    S0 = json.loads((tmp_path / "runs" / "smollm2-e3-sb1k-search-s0" / "stopped.json").read_text())["initial_scores"]
+    assert kl["kept_layers"] == sorted([0, 5] + sorted(range(1, 5), key=lambda i: -S0[i])[:2])
+    for r in (e3, kl):
+        assert set(r["corpora"]) == {"shakespeare", "python-docs", "torch-code"}
+        assert r["tokens_trained"] == 20 * 8 * 128
+    # the fine-tune's cache is the whole run's; the search's covered only its own steps' tokens
+    tokens = sorted(json.loads(p.read_text())["max_tokens"] for p in (tmp_path / "teacher").glob("*/meta.json"))
+    assert tokens == [2 * 8 * 128, 20 * 8 * 128]
+    assert "e3-sb1k-paired - kl-oneshot-sb1k-paired" in subprocess.run(
+        [sys.executable, "experiments/seeds.py", "table", str(res)], cwd=ROOT, capture_output=True, text=True).stdout
