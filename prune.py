@@ -148,11 +148,9 @@ def parse_args(argv=None):
     g.add_argument("--activation-checkpointing", nargs="?", const="full", choices=["none",
                    "selective", "full"], help="recompute in the backward a layer's activations "
                    "(full) or its cheap ops (selective) (default: --plan's pick on a GPU; none)")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, help="torch.compile each "
-                   "decoder layer (default: on a GPU)")
-    g.add_argument("--logit-chunk", type=int, help="tokens a chunk of the LM head fused with the "
-                   "loss, no (B, T, V) logits; 0: kd.py's (default: under torchrun the plan's pick "
-                   "on a GPU, 256 on a CPU; else 0)")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, help="compile each layer (GPU: on)")
+    g.add_argument("--logit-chunk", type=int, help="tokens a chunk of the LM head fused with the loss, no "
+                   "(B, T, V) logits; 0: kd.py's (default: > 1 rank, the plan's pick; on a CPU 256; else 0)")
     g.add_argument("--plan", type=int, metavar="RANKS", help="print the plan for RANKS GPUs, exit")
     g = p.add_argument_group("run folder")
     g.add_argument("--eval-every", type=steps_or_fraction, default=PAPER["eval_every"],
@@ -551,8 +549,8 @@ def resolve_args(args, world, cache=None):
     args.until = args.search_steps if args.until == "cut" else min(int(args.until or args.steps), args.steps)
     if args.plan:  # the plan picks them for each kind of GPU
         return
-    if torch.cuda.is_available() and not (args.micro_batch and args.activation_checkpointing
-                                          and args.logit_chunk is not None):
+    if torch.cuda.is_available() and None in (args.micro_batch, args.activation_checkpointing,
+                                              args.logit_chunk):
         from scale.plan import pick_for_card
         pick_for_card(args, world)
     args.logit_chunk = 256 if args.logit_chunk is None else args.logit_chunk  # > 1 CPU rank

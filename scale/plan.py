@@ -355,12 +355,14 @@ def mfu(measured, ranks, mode, compiled=False, what="train", logit_chunk=0):
     rate, source = (base[0]["mfu"], f"measured {on}, {label}") if base else (ASSUMED_MFU, ASSUMED)
     if mode == "none":
         return rate, source
-    # the slowdown the path's checkpointing showed compiled the other way (eager for compiled)
-    other = {r.get("ac", "none"): r["mfu"] for r in runs
-             if r["path"] == path and bool(r.get("compile")) != compiled}
-    if mode in other and "none" in other:
-        slow = other[mode] / other["none"]
-        return rate * slow, f"{source}; x {slow:.3f} for {mode} checkpointing (measured uncompiled)"
+    # the slowdown checkpointing showed on this path, else the plain one's, the other way compiled
+    for other in (path, "plain"):
+        ratio = {r.get("ac", "none"): r["mfu"] for r in runs if r["path"] == other
+                 and bool(r.get("compile")) != compiled}
+        if mode in ratio and "none" in ratio:
+            slow = ratio[mode] / ratio["none"]
+            return rate * slow, (f"{source}; x {slow:.3f} for {mode} checkpointing (measured: "
+                                 f"{other}, {'eager' if compiled else 'compiled'})")
     return rate * RECOMPUTE[mode], f"{source}; x {RECOMPUTE[mode]} for {mode} checkpointing (assumed)"
 
 
