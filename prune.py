@@ -148,9 +148,9 @@ def parse_args(argv=None):
     g.add_argument("--activation-checkpointing", nargs="?", const="full", choices=["none",
                    "selective", "full"], help="recompute in the backward a layer's activations "
                    "(full) or its cheap ops (selective) (default: --plan's pick on a GPU; none)")
-    g.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
-    g.add_argument("--logit-chunk", type=int, help="tokens a chunk of the LM head fused with the "
-                   "loss, no (B, T, V) logits; 0: kd.py's (default: 256 under torchrun, else 0)")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, help="compile each layer (GPU: on)")
+    g.add_argument("--logit-chunk", type=int, help="tokens a chunk of the LM head fused with the loss, no "
+                   "(B, T, V) logits; 0: kd.py's (default: > 1 rank, the plan's pick; on a CPU 256; else 0)")
     g.add_argument("--plan", type=int, metavar="RANKS", help="print the plan for RANKS GPUs, exit")
     g = p.add_argument_group("run folder")
     g.add_argument("--eval-every", type=steps_or_fraction, default=PAPER["eval_every"],
@@ -540,8 +540,8 @@ def resolve_args(args, world, cache=None):
     if args.steps is None:
         args.steps = math.ceil(args.tokens / (args.batch_size * args.seq_len))
     args.search_batch_size = args.search_batch_size or args.batch_size
-    if args.logit_chunk is None:
-        args.logit_chunk = 256 if world > 1 else 0
+    args.logit_chunk = 0 if args.logit_chunk is None and world == 1 else args.logit_chunk
+    args.compile = (bool(args.plan) or torch.cuda.is_available()) if args.compile is None else args.compile
     in_loop = registered(SEARCHES, args.search).in_loop and args.steps and args.search_frac > 0
     # T_M = round(search_frac T), halves up (0.1 x 25: 3), at least one step when there is a search
     t_m = math.floor(Fraction(str(args.search_frac)) * args.steps + Fraction(1, 2))
@@ -549,9 +549,11 @@ def resolve_args(args, world, cache=None):
     args.until = args.search_steps if args.until == "cut" else min(int(args.until or args.steps), args.steps)
     if args.plan:  # the plan picks them for each kind of GPU
         return
-    if torch.cuda.is_available() and not (args.micro_batch and args.activation_checkpointing):
+    if torch.cuda.is_available() and None in (args.micro_batch, args.activation_checkpointing,
+                                              args.logit_chunk):
         from scale.plan import pick_for_card
         pick_for_card(args, world)
+    args.logit_chunk = 256 if args.logit_chunk is None else args.logit_chunk  # > 1 CPU rank
     args.micro_batch = args.micro_batch or 1
     args.activation_checkpointing = args.activation_checkpointing or "none"
 
@@ -571,7 +573,7 @@ def check_args(args, config, L, world, vocab=0):
     if vocab > config.get_text_config().vocab_size:  # checked once: no batch needs it again
         raise E3Error(f"the tokenizer's {vocab} ids outnumber the model's "
                       f"{config.get_text_config().vocab_size} embedding rows: resize them first")
-    if args.logit_chunk < 0:
+    if (args.logit_chunk or 0) < 0:
         raise E3Error(f"--logit-chunk must be 0 (the plain logits) or tokens; got {args.logit_chunk}")
     if args.kd_tail and args.targets != "topk" or args.kd_full and (world > 1 or args.logit_chunk):
         raise E3Error("--kd-tail needs a top-K cache (not sampled targets); --kd-full runs in one "

@@ -7,17 +7,18 @@ made of prune.py's own pieces: its AdamW (prune.make_optimizer: fused, betas (0.
 (micro-batches' backwards, the gradient clip, the step).
 
     bash experiments/gpu_bench.sh OUT          # the whole bench on one GPU in < 10 minutes
-    python experiments/gpu_bench.py --out DIR --runs plain/1b,fused/1b/1,teacher/1b [--profile]
+    python experiments/gpu_bench.py --out DIR --runs plain/1b,fused/1b/1,fused/1b/0/none/1024 [--profile]
     torchrun --nproc_per_node 1 experiments/gpu_bench.py --out DIR --runs fsdp/7b8/1,fsdp/7b8/0/full
         [--activations none,selective,full]
     python experiments/gpu_bench.py --collect DIR   # one JSON: stdout's last line, DIR/gpu_bench.json
     ... --tiny                                      # tiny shapes, CPU fp32, a few steps (the tests)
 
-A run is PATH/SHAPE[/COMPILE[/CHECKPOINTING]]; the paths:
+A run is PATH/SHAPE[/COMPILE[/CHECKPOINTING[/CHUNK]]]; the paths:
   plain    one process, model(x).logits and kd.py's loss under bf16 autocast, fp32 master weights
-  fused    one process, --logit-chunk 256: scale/fused_loss.py's head + loss (autocast if FusedLoss
-           takes it: the record says)
-  fsdp     FSDP2 over a world of one under torchrun (bf16 compute, fp32 reduce), the fused head
+  fused    one process, scale/fused_loss.py's head + loss in chunks of CHUNK tokens (default: the
+           plan's pick, scale.plan.chunk_sizes: half a micro-batch's tokens)
+  fsdp     FSDP2 over a world of one under torchrun (bf16 compute, fp32 reduce), the fused head as
+           prune.py runs it there (its record's fsdp2: the student is FSDP2's)
   teacher  cache_teacher.teacher_targets over 8 sequences (build_cache's batch) in the teacher's
            dtype (bf16 on a GPU), no gradient
 
@@ -36,9 +37,12 @@ activation checkpointing is not counted. The peak by device name (scale.plan.pea
 989 TFLOP/s, H100 PCIe 756, H200 989, A100 312; another device: MFU null.
 
 --activations: the bytes a token and layer keeps for the backward, per checkpointing mode, for the
-plan: the memory one micro-batch's forward leaves allocated (torch.cuda.memory_allocated after it,
-less before it) at two depths of one shape; their difference over (tokens x the layers between them)
-is the layers' own, free of the embedding, head, loss and weights, which both depths hold alike.
+plan, in the path the process runs (one process: plain; under torchrun: fsdp): the memory one
+micro-batch's forward leaves allocated (torch.cuda.memory_allocated after it, less before it) at
+two depths of one shape; their difference over (tokens x the layers between them) is the layers'
+own, free of the embedding, head, loss and fp32 weights, which both depths hold alike (not of the
+bf16 weight copies autocast keeps in one process without checkpointing: scale.plan.probe_bytes,
+the "formula" beside it, counts them).
 --profile: one more step of each eager run without checkpointing, under torch.profiler: the share of
 the step's span the GPU is busy (kernels, copies) and the host syncs (the CUDA runtime's blocking
 calls, SYNC_CALLS, by name; device-to-host copies beside them), for docs/scale.md's "where a step's
@@ -55,30 +59,38 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts live at the repo root
 import prune  # noqa: E402
 from cache_teacher import init_distributed, teacher_dtype, teacher_targets  # noqa: E402
-from scale.plan import activation_formula, flops_per_token, peak_flops  # noqa: E402
+from scale.plan import chunk_sizes, flops_per_token, peak_flops, probe_bytes  # noqa: E402
 
 # name: (config, sequence length, micro-batch in sequences)
+LLAMA2_7B = dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=32, intermediate_size=11008, vocab_size=32000,
+                 tie_word_embeddings=False)
 SHAPES = {
     "1b": (dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
                 tie_word_embeddings=True, rope_theta=500000.0), 2048, 2),  # Llama-3.2-1B
-    "7b8": (dict(model_type="llama", hidden_size=4096, num_hidden_layers=8, num_attention_heads=32,
-                 num_key_value_heads=32, intermediate_size=11008, vocab_size=32000,
-                 tie_word_embeddings=False), 4096, 1),  # Llama-2-7B cut to 8 layers
+    "7b8": (dict(LLAMA2_7B, num_hidden_layers=8), 4096, 1),  # Llama-2-7B cut to 8 layers
     "135m": (dict(model_type="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
                   num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
                   tie_word_embeddings=True), 2048, 4),  # SmolLM2-135M, the demo's
 }
+# the same configs at other sizes: the micro-batch sweep, a whole 7B on one GPU, the paper's grid
+SHAPES.update({
+    "1bm8": (SHAPES["1b"][0], 2048, 8),  # 1B at the largest micro-batch an H200 holds
+    "7b": (LLAMA2_7B, 4096, 1),  # Llama-2-7B whole: one GPU's run, checkpointed (docs/scale.md)
+    "135ms128": (SHAPES["135m"][0], 128, 128),  # the paper-regime grid's seq 128, 128 sequences
+})
 # --tiny: every shape's name stands for this one (the tests run the lease's command at CPU size)
 TINY = (dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, intermediate_size=128, vocab_size=512, tie_word_embeddings=True),
         32, 2)
 PROBE_SHAPE, PROBE_DEPTHS = "7b8", (2, 4)  # --activations: the plan's shape (scale.plan.BENCH_SHAPE)
-N_MICRO, TOPK, TEACHER_BATCH, CHUNK = 4, 10, 8, 256
+N_MICRO, TOPK, TEACHER_BATCH = 4, 10, 8
 # CUDA runtime calls that block the host until the device is done (.item(), .cpu(), nonzero() and
 # boolean-mask indexing each end in one of them)
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
@@ -88,10 +100,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="folder: records.jsonl gets one line a run")
-    p.add_argument("--runs", help="PATH/SHAPE[/COMPILE[/AC]],...: path plain, fused, teacher (fsdp "
-                   "under torchrun), shape of " + ", ".join(SHAPES) + ", COMPILE 0 or 1 (per-layer "
-                   "torch.compile, scale/compile.py), AC none, selective or full (default: "
-                   "plain, fused and teacher at every shape, eager)")
+    p.add_argument("--runs", help="PATH/SHAPE[/COMPILE[/AC[/CHUNK]]],...: path plain, fused, "
+                   "teacher (fsdp under torchrun), shape of " + ", ".join(SHAPES) + ", COMPILE 0 or "
+                   "1 (per-layer torch.compile, scale/compile.py), AC none, selective or full, "
+                   "CHUNK the fused head's tokens a chunk (default: the plan's pick; plain, fused "
+                   "and teacher at every shape, eager)")
     p.add_argument("--activations", help="checkpointing modes (none,selective,full) whose bytes a "
                    "token and layer to measure")
     p.add_argument("--profile", action="store_true", help="profile one more step of each eager "
@@ -112,11 +125,14 @@ def parse_args(argv=None):
 
 
 def run_spec(text):
-    """'fsdp/7b8/1/full' -> {"path": "fsdp", "shape": "7b8", "compile": 1, "ac": "full"}."""
+    """'fsdp/7b8/1/full' -> {"path": "fsdp", "shape": "7b8", "compile": 1, "ac": "full"};
+    'fused/1b/0/none/1024' -> ... "chunk": 1024 (the fused head's, where given)."""
     path, shape, *rest = text.split("/")
-    compiled, ac = rest + ["0", "none"][len(rest):]
+    compiled, ac, *chunk = rest + ["0", "none"][len(rest):]
     spec = {"path": path, "shape": shape}
-    return spec if path == "teacher" else {**spec, "compile": int(compiled), "ac": ac}
+    if path == "teacher":
+        return spec
+    return {**spec, "compile": int(compiled), "ac": ac, **({"chunk": int(chunk[0])} if chunk else {})}
 
 
 # -----------------------------------------------------------------------------
@@ -142,22 +158,25 @@ def flops(cfg, seq, train=True):
     return flops_per_token(random_model(cfg, "meta", torch.float32), seq, train=train)
 
 
-def student(cfg, device, path, compiled, ac):
+def student(cfg, device, settings):
     """A random-initialised student made ready as prune.py makes it (prune.parallelize_student:
     checkpointing, compile, FSDP2 under torchrun or the fused head's one-process form)."""
     model = random_model(cfg, device, torch.float32)
     model.config.use_cache = False
-    settings = run_args(path, device)
-    settings.compile, settings.activation_checkpointing = compiled, ac
-    return prune.parallelize_student(model, settings, device, 1)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return prune.parallelize_student(model, settings, device, world)
 
 
-def run_args(path, device):
-    """prune.py's settings for a path (its defaults: the lr, weight decay, gradient clip), resolved
-    as prune.py does in one process: the plain head, or the fused one in chunks of 256 tokens."""
-    args = prune.parse_args(["--model", "bench", "--keep", "1", "--logit-chunk",
-                             str(CHUNK if path == "fused" else 0)])
+def run_args(path, device, tokens, compiled=0, ac="none", chunk=None):
+    """prune.py's settings for a run (its defaults: the lr, weight decay, gradient clip), resolved
+    as prune.py resolves them: the plain head in one process; the fused one (path fused, and FSDP2,
+    which runs only with it) in chunks of `chunk` tokens, by default the plan's largest for a
+    micro-batch of `tokens` (scale.plan.chunk_sizes)."""
+    fused = path in ("fused", "fsdp")
+    chunk = (chunk or chunk_sizes(tokens)[0]) if fused else 0
+    args = prune.parse_args(["--model", "bench", "--keep", "1", "--logit-chunk", str(chunk)])
     args.device, args.out = device, "(the bench)"
+    args.compile, args.activation_checkpointing = bool(compiled), ac
     return args
 
 
@@ -240,10 +259,10 @@ def free(device):
 # -----------------------------------------------------------------------------
 # The runs
 
-def train_run(args, shape, path, compiled, ac, device):
+def train_run(args, shape, path, compiled, ac, device, chunk=None):
     cfg, (seq, micro) = config(shape, args.shape_table), args.shape_table[shape][1:]
-    model = student(cfg, device, path, compiled, ac)
-    settings = run_args(path, device)
+    settings = run_args(path, device, micro * seq, compiled, ac, chunk)
+    model = student(cfg, device, settings)
     opt = prune.make_optimizer(model, settings)
     losses = prune.make_losses(settings, cfg.vocab_size, 1)  # autocast on a GPU, as prune.py's
     # prune.py's training step itself: each micro-batch's AKD loss at weight 1 / micro-batches,
@@ -256,7 +275,8 @@ def train_run(args, shape, path, compiled, ac, device):
     tokens = N_MICRO * micro * seq
     record = {"tokens_per_step": tokens, "seconds_per_step": round(seconds, 4),
               "tok_s": round(tokens / seconds), "peak_gb": peak_memory(device),
-              "autocast": device.type == "cuda", "flops_per_token": flops(cfg, seq)}
+              "autocast": device.type == "cuda", "flops_per_token": flops(cfg, seq),
+              "chunk": settings.logit_chunk, "fsdp2": isinstance(model, FSDPModule)}
     if args.profile and not compiled and ac == "none":
         record["profile"] = profile(step, device)
     return record
@@ -279,8 +299,9 @@ def saved_bytes(args, shape, depth, mode, path, device):
     """What one micro-batch's forward (and loss) leaves allocated for its backward, at `depth`
     layers, after a step that set up the lazy state; None on a CPU (no allocator to read)."""
     cfg, (seq, micro) = config(shape, args.shape_table, depth), args.shape_table[shape][1:]
-    model = student(cfg, device, path, False, mode)
-    losses = prune.make_losses(run_args(path, device), cfg.vocab_size, 1)
+    settings = run_args(path, device, micro * seq, ac=mode)
+    model = student(cfg, device, settings)
+    losses = prune.make_losses(settings, cfg.vocab_size, 1)
     batch = cache_batch(cfg, seq, micro, device, seed=0)
     for measure in (False, True):
         sync(device)
@@ -294,16 +315,18 @@ def saved_bytes(args, shape, depth, mode, path, device):
 
 
 def activations_run(args, mode, path, device):
-    """Bytes a token and layer, from two depths of PROBE_SHAPE, beside scale/plan.py's formula for
-    the same shape (the residual stream bf16 under FSDP2, fp32 in one process)."""
+    """Bytes a token and layer, from two depths of PROBE_SHAPE, beside scale/plan.py's model of the
+    same difference (probe_bytes: the residual stream bf16 under FSDP2, fp32 in one process, and
+    there the bf16 weight copies autocast keeps for the backward)."""
     seq, micro = args.shape_table[PROBE_SHAPE][1:]
     saved = [saved_bytes(args, PROBE_SHAPE, n, mode, path, device) for n in PROBE_DEPTHS]
     measured = None if saved[0] is None else (saved[1] - saved[0]) / (
         micro * seq * (PROBE_DEPTHS[1] - PROBE_DEPTHS[0]))
-    cfg = config(PROBE_SHAPE, args.shape_table)
-    formula = activation_formula(cfg, mode, 2 if path == "fsdp" else 4)
-    return {"shape": PROBE_SHAPE, "depths": list(PROBE_DEPTHS), "saved_bytes": saved,
-            "measured": measured and round(measured), "formula": formula}
+    model = random_model(config(PROBE_SHAPE, args.shape_table), "meta", torch.float32)
+    formula = probe_bytes(model, mode, path == "fsdp", micro * seq)
+    return {"shape": PROBE_SHAPE, "depths": list(PROBE_DEPTHS), "tokens": micro * seq,
+            "saved_bytes": saved, "measured": measured and round(measured),
+            "formula": round(formula)}
 
 
 def record(args, **fields):
@@ -330,7 +353,7 @@ def attempt(args, device, what, fn, *fn_args):
     peak = peak_flops(device_name)
     if "tok_s" in fields:
         fields["mfu"] = peak and round(fields["flops_per_token"] * fields["tok_s"] / peak, 4)
-    record(args, **what, **fields, device=device_name, wall_s=round(time.time() - t0, 1))
+    record(args, **{**what, **fields}, device=device_name, wall_s=round(time.time() - t0, 1))
 
 
 def main(argv=None):
@@ -352,7 +375,7 @@ def main(argv=None):
             attempt(args, device, run, teacher_run, args, run["shape"], device)
         else:
             attempt(args, device, run, train_run, args, run["shape"], run["path"], run["compile"],
-                    run["ac"], device)
+                    run["ac"], device, run.get("chunk"))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     if args.collect:  # the last stage of gpu_bench.sh: the JSON of every stage's records
@@ -363,28 +386,54 @@ def main(argv=None):
 # The JSON
 
 def collect(folder):
-    """Every record of DIR/records.jsonl in one object, with the issue's goals read off them."""
+    """Every record of DIR/records.jsonl in one object, with issue 47's goals read off them (a goal
+    whose runs are missing or failed: None)."""
     import transformers
     lines = [json.loads(line) for line in (Path(folder) / "records.jsonl").read_text().splitlines()]
     runs = [r for r in lines if "activations" not in r]
-    keys = ("shape", "depths", "measured", "formula", "error")
-    acts = {r["activations"]: {k: r.get(k) for k in keys} for r in lines if "activations" in r}
+    keys = ("shape", "depths", "tokens", "measured", "formula", "error")
+    acts = {}  # path -> checkpointing mode -> the probe's record
+    for r in (r for r in lines if "activations" in r):
+        acts.setdefault(r["path"], {})[r["activations"]] = {k: r.get(k) for k in keys}
     devices = sorted({r["device"] for r in lines if "device" in r})
 
-    def mfu(shape, path, compiled=0):
-        found = [r.get("mfu") for r in runs if (r["shape"], r["path"], r.get("compile", 0),
-                 r.get("ac", "none")) == (shape, path, compiled, "none")]
-        return found[0] if found else None
-    plain, fsdp = mfu("1b", "plain"), mfu("1b", "fsdp")
+    def run(shape, path, compiled=0, ac="none", chunk=None):
+        """The run's record; for the fused head by default the one at the plan's chunk."""
+        for r in runs:
+            if (r["shape"], r["path"], r.get("compile", 0), r.get("ac", "none")) == (
+                    shape, path, compiled, ac) and "tok_s" in r and (chunk is None or path not in (
+                    "fused", "fsdp") or r["chunk"] == chunk):
+                return r
+        return {}
+
+    def ratio(a, b, key="tok_s"):
+        return round(a[key] / b[key], 3) if a.get(key) and b.get(key) else None
+    plain = run("1b", "plain")
+    fused = run("1b", "fused", chunk=plain and chunk_sizes(plain["tokens_per_step"] // N_MICRO)[0])
     peak = peak_flops(devices[0]) if devices else None
+    goals = {
+        "compiled_1b_mfu (>= 0.40)": run("1b", "plain", 1).get("mfu"),
+        "fsdp_over_plain_1b (>= 0.9)": ratio(run("1b", "fsdp"), plain),
+        "fsdp_compiled_7b8_mfu (>= 0.40)": run("7b8", "fsdp", 1).get("mfu"),
+        "teacher_1b_mfu (>= 0.50)": run("1b", "teacher").get("mfu"),
+        "fused_over_plain_1b (>= 0.95)": ratio(fused, plain),
+        "fused_1b_chunk, peak_gb fused/plain": [fused.get("chunk"), fused.get("peak_gb"),
+                                                plain.get("peak_gb")],
+        "micro_batch_8_over_2_1b_compiled (> 1)": ratio(run("1bm8", "plain", 1), run("1b", "plain", 1),
+                                                        "mfu"),
+        "7b_whole_one_gpu_peak_gb eager/compiled": [run("7b", "plain", c, "full").get("peak_gb")
+                                                    for c in (0, 1)],
+        "135m_compiled_over_eager (>= 2)": ratio(run("135m", "plain", 1), run("135m", "plain")),
+        "135ms128_compiled_over_eager (>= 2)": ratio(run("135ms128", "plain", 1),
+                                                     run("135ms128", "plain")),
+        "activations_measured_over_model (0.9-1.1)": {
+            f"{path}/{mode}": a["measured"] and round(a["measured"] / a["formula"], 3)
+            for path, modes in acts.items() for mode, a in modes.items()},
+    }
     summary = {"command": f"bash experiments/gpu_bench.sh {folder}", "device": ", ".join(devices),
                "peak_tflops": peak and peak / 1e12,
                "torch": torch.__version__, "transformers": transformers.__version__,
-               "goals": {"plain_1b_mfu (>= 0.40)": plain,
-                         "fsdp_over_plain_1b (>= 0.9)": fsdp / plain if fsdp and plain else None,
-                         "fsdp_compiled_7b8_mfu (>= 0.40)": mfu("7b8", "fsdp", 1),
-                         "teacher_1b_mfu (>= 0.50)": mfu("1b", "teacher")},
-               "activations": acts, "runs": runs}
+               "goals": goals, "activations": acts, "runs": runs}
     (Path(folder) / "gpu_bench.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 

@@ -28,38 +28,63 @@ memory():
                  layer's whole when checkpointing (its recomputation in the backward)
     unit         FSDP2: 10 B x the largest decoder layer's parameters (its bf16 weights gathered and
                  the next layer's prefetched, its bf16 gradient and the fp32 copy reduce-scattered);
-                 one process: the 2 B bf16 copy of every matmul weight autocast caches
+                 one process: the 2 B bf16 copy of every matmul weight autocast caches and, without
+                 checkpointing, keeps for the backward (compiled: the LM head's and one layer's, the
+                 layers' casts made and freed inside each layer's graph)
     tokens       > 1 rank: every rank's h (bf16) and dL/dh (fp32) a micro-batch, 6 B x ranks x
                  tokens x d (the vocabulary-parallel embedding and head exchange tokens, not weights)
-    head         the fused head's chunk of logits, ~4 fp32 copies: 16 B x chunk x V / ranks; the
-                 plain path's whole micro-batch of them: 16 B x tokens x V
+    head         the fused head's chunk of logits, ~4 fp32 copies: 16 B x chunk x V (a chunk is
+                 chunk tokens of every rank x the rank's V / ranks rows); the plain path's whole
+                 micro-batch of them: 16 B x tokens x V
     batch        the cache's rows on the device: 8 B an input id, 12 B a top-K slot (int64 id, fp32
                  log-prob), 8 B a drawn id, 4 B the entropy
 
-A card's usable memory is USABLE (90%) of it: the CUDA context, NCCL's buffers and the caching
-allocator's fragmentation take the rest.
+A card's memory is read from the device where there is one (torch.cuda.mem_get_info: what is
+free), else taken from GPUS, in bytes as the cards report them (nvidia-smi's memory.total: H100 SXM
+81,559 MiB, H200 143,771 MiB); USABLE (90%) of it is planned for: the CUDA context, NCCL's buffers
+and the caching allocator's fragmentation take the rest.
+
+The micro-batch: the largest that fits (a divisor of the batch a rank runs), for speed as well as
+memory (one H200, the 1B shape: 45% MFU at micro-batch 2, 52% at 8, compiled; experiments/
+gpu_bench.json). The fused head's chunk (> 1 rank; one process only with --logit-chunk): the largest
+of chunk_sizes that fits beside that micro-batch. A chunk costs a fixed ~1.7 ms on an H200 (1B,
+eager: chunks of 256 tokens run at 0.79x the plain head's tok/s, 1024 at 0.92x, 4096 at 0.99x), so
+it is made as large as it may be, up to half a micro-batch's tokens: the fused head still holds at
+most half the logits the plain one would. On a CPU (no card) 256: there a chunk costs its matmul.
 
 Activation bytes a token and layer (Llama-style layers: RMSNorms, attention by SDPA/flash with no
 (s x s) scores kept, a gated MLP; d hidden, q = heads x head_dim, k = kv heads x head_dim, I the MLP's
-intermediate size, h heads, r the residual stream's bytes: 2 under FSDP2's bf16, 4 in one process
-under autocast with fp32 master weights):
+intermediate size, h heads, r the residual stream's bytes):
 
-    none         2 (4 d + r d) + 4 q + 4 k + 4 h + 8 I  (+ 10 d when r = 4: autocast's bf16 copy
-                 of each linear's fp32 input)
-                 each norm: its fp32 upcast and its output; q and k after RoPE, v, SDPA's output
-                 and log-sum-exp; the MLP's gate, SiLU(gate), up and their product
-    selective    r d + 3 q + 4 h + 2 k + 2 d + 2 I   torchtitan's op-level policy: the layer's
-                 input, SDPA's output, every other matmul's output; norms and SiLU recomputed
+    none         2 (4 d + r d) + 4 q + 4 k + 4 h + 8 I + 8  (+ 10 d when r = 4: autocast's bf16
+                 copy of each linear's fp32 input)
+                 each norm: its fp32 upcast, its output and its fp32 1 / rms; q and k after RoPE, v,
+                 SDPA's output and log-sum-exp; the MLP's gate, SiLU(gate), up and their product
+    selective    r d + 4 d + 4 q + 4 k + 4 h + 4 I   torchtitan's op-level policy: the layer's
+                 input and every matmul's bf16 output (q, k, v, o; gate, up, down), SDPA's output
+                 and log-sum-exp; norms, RoPE and SiLU recomputed
     full         r d   the layer's input alone, the whole layer recomputed in the backward
 
-(Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", arXiv
-2205.05198, count the same way for GPT's layers: 34 d + 5 h s bytes in bf16.) When
-experiments/gpu_bench.json holds the bench's measurement (experiments/gpu_bench.py: the difference
-between two depths of one shape, FSDP2 over one GPU), each mode's formula is scaled by measured /
-formula at the bench's shape. Likewise MFU: the bench's, else ASSUMED_MFU; checkpointing's
-recomputation slows a step by its measured tok/s ratio, else by RECOMPUTE (full: 8 instead of 6
-FLOPs a parameter).
+The residual stream, r: bf16 (2) under FSDP2, as torchtitan keeps it: its MixedPrecisionPolicy
+casts each layer's input to bf16 and the layer's norms and adds then run in bf16 (its output is
+bf16: checked on a CPU, gloo, a tiny Llama fully_shard-ed with param_dtype bf16); fp32 (4) in one
+process, autocast over fp32 master weights (autocast casts a matmul's inputs, never the stream: its
+adds and norms stay fp32, as mixed precision intends). (Korthikanti et al., "Reducing Activation
+Recomputation in Large Transformer Models", arXiv 2205.05198, count the same way for GPT's layers:
+34 d + 5 h s bytes in bf16.)
+
+The fit: experiments/gpu_bench.py measures the bytes two depths of one shape leave allocated after a
+forward, over the tokens and the layers between them (probe_bytes is this model of that number: the
+formula, and in one process without checkpointing autocast's bf16 weight copies, 2 B a layer's
+matmul weight over the probe's tokens). One H200, the 7b8 shape (Llama-2-7B's layers, 4,096 tokens),
+one process: none 326,280 measured, 326,280 modelled (227,464 activations + 98,816 weight copies);
+selective 109,696 and 109,696; full 16,384 and 16,384. Where experiments/gpu_bench.json holds the
+probe of the plan's own path, each mode's formula is scaled by its measured / modelled. Likewise
+MFU: the bench's, else ASSUMED_MFU; checkpointing's recomputation slows a step by its measured tok/s
+ratio, else by RECOMPUTE (full: 8 instead of 6 FLOPs a parameter). A run compiles on a GPU unless
+--no-compile (prune.py), so the plan's hours are at the compiled MFU.
 """
+import functools
 import json
 import math
 from pathlib import Path
@@ -67,13 +92,16 @@ from types import SimpleNamespace
 
 from surgery import decoder_layers
 
-GB = 1e9
-# dense bf16 peak (no sparsity) and memory of the cards a run is planned for; peak_flops() reads
-# other names of these (the bench's device)
-GPUS = {"H100": (989e12, 80 * GB), "H200": (989e12, 141 * GB), "A100": (312e12, 80 * GB)}
+GB, MiB = 1e9, 2**20
+# dense bf16 peak (no sparsity) and memory (nvidia-smi's memory.total, = cudaMemGetInfo's total) of
+# the cards a run is planned for; peak_flops() reads other names of these (the bench's device)
+GPUS = {"H100": (989e12, 81_559 * MiB), "H200": (989e12, 143_771 * MiB),
+        "A100": (312e12, 81_920 * MiB)}
 PEAKS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 USABLE = 0.9
 MODES = ("none", "selective", "full")  # activation checkpointing, the cheapest in time first
+MIN_CHUNK = 256  # the fused head's tokens a chunk: the fewest the plan tries
+LORA_RANK = 16  # what a plan that fits no card suggests
 # torchtitan, Llama-3.1-8B on 8 H100s, FSDP2 eager, selective checkpointing, seq 8192: 5,762 tok/s a
 # GPU, ~34% MFU counting the LM head (benchmarks/llama3_h100_202412_torchtitan.md)
 ASSUMED_MFU = 0.34
@@ -150,8 +178,24 @@ def activation_formula(cfg, mode, residual_bytes=2):
     if mode == "full":
         return r * d
     if mode == "selective":
-        return r * d + 3 * q + 4 * h + 2 * k + 2 * d + 2 * inter
-    return 2 * (4 * d + r * d) + 4 * q + 4 * k + 4 * h + 8 * inter + (10 * d if r == 4 else 0)
+        return r * d + 4 * d + 4 * q + 4 * k + 4 * h + 4 * inter
+    return 2 * (4 * d + r * d) + 4 * q + 4 * k + 4 * h + 8 * inter + 8 + (10 * d if r == 4 else 0)
+
+
+def residual_bytes(fsdp):
+    """The residual stream's bytes a unit: bf16 under FSDP2, fp32 in one process (the docstring)."""
+    return 2 if fsdp else 4
+
+
+def probe_bytes(model, mode, fsdp, tokens):
+    """What experiments/gpu_bench.py --activations measures, bytes a token and layer: the formula,
+    and in one process without checkpointing the bf16 copy of a layer's matmul weights autocast
+    keeps for the backward, spread over the probe's tokens (under FSDP2 the gathered bf16 weights
+    are freed after each layer's forward; under checkpointing the recomputation casts again)."""
+    act = activation_formula(text_config(model), mode, residual_bytes(fsdp))
+    layers = decoder_layers(model)
+    copies = 2 * matmul_params(p for layer in layers for p in layer.parameters()) / len(layers)
+    return act + (copies / tokens if mode == "none" and not fsdp else 0)
 
 
 def load_bench(path=BENCH_JSON):
@@ -159,12 +203,12 @@ def load_bench(path=BENCH_JSON):
     return json.loads(Path(path).read_text()) if Path(path).exists() else {}
 
 
-def activation_bytes(cfg, mode, residual_bytes, measured):
-    """(bytes a token and layer, source): the formula, scaled by the bench's measured / formula at
-    its own shape when the bench measured this mode."""
-    formula = activation_formula(cfg, mode, residual_bytes)
-    found = measured.get("activations", {}).get(mode)
-    if not found:
+def activation_bytes(cfg, mode, fsdp, measured):
+    """(bytes a token and layer, source): the formula, scaled by measured / modelled of the bench's
+    probe of the same path (FSDP2 or one process) and mode, where the bench has one."""
+    formula = activation_formula(cfg, mode, residual_bytes(fsdp))
+    found = measured.get("activations", {}).get("fsdp" if fsdp else "plain", {}).get(mode)
+    if not (found and found.get("measured")):
         return formula, "formula"
     scale = found["measured"] / found["formula"]
     return formula * scale, f"formula x {scale:.3f} measured"
@@ -178,46 +222,70 @@ def state_bytes(params, ranks):
     return (16 * trainable + 4 * (sum(p.numel() for p in params) - trainable)) / ranks
 
 
-def memory(args, model, ranks, micro_batch, mode, measured=None):
-    """Bytes on each of `ranks` GPUs in a search step (the module's docstring), by part."""
+def chunk_sizes(tokens):
+    """The fused head's chunks worth trying for a micro-batch of `tokens` tokens a rank, largest
+    first: powers of two from half the tokens down to MIN_CHUNK (the module's docstring)."""
+    top = 2 ** max(0, (tokens // 2).bit_length() - 1)
+    return [top >> i for i in range(max(1, (top // MIN_CHUNK).bit_length()))]
+
+
+@functools.lru_cache(maxsize=4)
+def sizes(model):
+    """The counts memory() reads, once a model (choose() asks for many micro-batches): the state's
+    bytes on one rank, the largest layer's parameters, each layer's matmul weights, the head's."""
+    layers = decoder_layers(model)
+    top_k = getattr(text_config(model), "num_experts_per_tok", None)
+    return SimpleNamespace(state=state_bytes(model.parameters(), 1),
+                           layer=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
+                           cast=[matmul_params(layer.parameters(), top_k) for layer in layers],
+                           head=head_params(model))
+
+
+def memory(args, model, ranks, micro_batch, mode, measured=None, chunk=None):
+    """Bytes on each of `ranks` GPUs in a search step (the module's docstring), by part; chunk: the
+    fused head's (default: --logit-chunk's; 0 the plain head)."""
     measured = {} if measured is None else measured
-    cfg, layers = text_config(model), decoder_layers(model)
+    cfg, layers, n = text_config(model), decoder_layers(model), sizes(model)
     tokens, V, d = micro_batch * args.seq_len, cfg.vocab_size, cfg.hidden_size
     fsdp = ranks > 1
-    chunk = (args.logit_chunk or 256) if fsdp else args.logit_chunk
-    act, _ = activation_bytes(cfg, mode, 2 if fsdp else 4, measured)
-    recompute = activation_bytes(cfg, "none", 2 if fsdp else 4, measured)[0] if mode != "none" else 0
-    top_k = getattr(cfg, "num_experts_per_tok", None)
+    chunk = args.logit_chunk if chunk is None else chunk
+    act, _ = activation_bytes(cfg, mode, fsdp, measured)
+    recompute = activation_bytes(cfg, "none", fsdp, measured)[0] if mode != "none" else 0
     K = 0 if args.targets == "sampled" else args.topk
     N = 0 if args.targets == "topk" else args.samples
     return {
-        "state": state_bytes(model.parameters(), ranks),
+        "state": n.state / ranks,
         "activations": tokens * (len(layers) * act + recompute),
-        "unit": (10 * max(sum(p.numel() for p in layer.parameters()) for layer in layers) if fsdp
-                 else 2 * (matmul_params((p for layer in layers for p in layer.parameters()), top_k)
-                           + head_params(model))),
+        "unit": (10 * n.layer if fsdp
+                 else 2 * ((max(n.cast) if getattr(args, "compile", False) else sum(n.cast)) + n.head)),
         "tokens": 6 * ranks * tokens * d if fsdp else 0,
-        "head": 16 * chunk * math.ceil(V / ranks) if chunk else 16 * tokens * V,
+        "head": 16 * chunk * ranks * math.ceil(V / ranks) if chunk else 16 * tokens * V,
         "batch": tokens * (8 + 12 * K + 8 * N + 4),
     }
 
 
 def choose(args, model, ranks, card_bytes, measured=None):
-    """The run's micro-batch and checkpointing on `ranks` cards of card_bytes each: checkpointing only
-    when memory needs it (none, then selective, then full), and with it the largest micro-batch (a
-    divisor of the batch a rank runs) that fits USABLE of the card; a --micro-batch or
-    --activation-checkpointing given is kept. Returns (micro_batch, mode, memory by part); (None,
-    None, the smallest run's memory) where nothing fits."""
+    """The run's micro-batch, checkpointing and the fused head's chunk on `ranks` cards of card_bytes
+    each: checkpointing only when memory needs it (none, then selective, then full), with it the
+    largest micro-batch (a divisor of the batch a rank runs) that fits USABLE of the card, and
+    with that the largest chunk (chunk_sizes: the fused head, where it runs and --logit-chunk is
+    unset); a --micro-batch, --activation-checkpointing or --logit-chunk given is kept. Returns
+    (micro_batch, mode, chunk, memory by part); (None, None, None, the smallest run's memory) where
+    nothing fits."""
     per_rank = args.batch_size // ranks
     sizes = [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
     sizes = [args.micro_batch] if getattr(args, "micro_batch", None) else sizes
     modes = [args.activation_checkpointing] if getattr(args, "activation_checkpointing", None) else MODES
     for mode in modes:
         for m in sizes:
-            parts = memory(args, model, ranks, m, mode, measured)
-            if sum(parts.values()) <= USABLE * card_bytes:
-                return m, mode, parts
-    return None, None, memory(args, model, ranks, 1, "full", measured)
+            chunks = ([args.logit_chunk] if args.logit_chunk is not None or ranks == 1
+                      else chunk_sizes(m * args.seq_len))
+            for chunk in chunks:
+                parts = memory(args, model, ranks, m, mode, measured, chunk or 0)
+                if sum(parts.values()) <= USABLE * card_bytes:
+                    return m, mode, chunk or 0, parts
+    least = None if args.logit_chunk is not None or ranks == 1 else MIN_CHUNK
+    return None, None, None, memory(args, model, ranks, 1, "full", measured, least)
 
 
 def min_ranks(args, model, ranks, card_bytes, measured=None):
@@ -227,82 +295,150 @@ def min_ranks(args, model, ranks, card_bytes, measured=None):
                  and choose(args, model, n, card_bytes, measured)[0]), None)
 
 
+@functools.lru_cache(maxsize=2)
+def lora_of(model):
+    """The model on the meta device with --lora-rank LORA_RANK's adapters (every base weight
+    frozen), made once a plan."""
+    import copy
+
+    from scale.lora import add_lora
+    lora = copy.deepcopy(model)
+    add_lora(lora, LORA_RANK, 2.0 * LORA_RANK, 0)
+    return lora
+
+
+def with_lora(args, model, ranks, card_bytes, measured=None):
+    """choose()'s pick for the run with --lora-rank LORA_RANK (4 B a frozen parameter, not 16),
+    where it runs without LoRA."""
+    if args.lora_rank:
+        return None, None, None, None
+    return choose(args, lora_of(model), ranks, card_bytes, measured)
+
+
+def card_memory():
+    """(the device's name, its free bytes) where CUDA has a device (torch.cuda.mem_get_info: what
+    this process can have, after its context and any other process), else None."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(), torch.cuda.mem_get_info()[0]
+
+
 # -----------------------------------------------------------------------------
 # Time
 
 def mfu(measured, ranks, mode, compiled=False, what="train", logit_chunk=0):
     """(MFU, its source) for a run on `ranks` GPUs with checkpointing `mode`: the bench's record of
-    that path (FSDP2 above one rank; in one process the plain head, or the fused one with a logit
-    chunk; the teacher's forward for the cache) at BENCH_SHAPE, else ASSUMED_MFU; checkpointing's
-    slowdown measured, else RECOMPUTE's."""
+    that path at BENCH_SHAPE (FSDP2 above one rank, else the one-process run of the same head: the
+    plain one, or the fused one at the chunk nearest logit_chunk; the teacher's forward for the
+    cache), else ASSUMED_MFU; checkpointing's slowdown measured, else RECOMPUTE's."""
     runs = [r for r in measured.get("runs", []) if r.get("shape") == BENCH_SHAPE and r.get("mfu")]
     on = f"on {measured.get('device')}"
     if what == "cache":
         found = [r for r in runs if r["path"] == "teacher"]
         return (found[0]["mfu"], f"measured {on}") if found else (ASSUMED_MFU, ASSUMED)
-    path = "fsdp" if ranks > 1 else "fused" if logit_chunk else "plain"
+    paths = ["fsdp", "fused"] if ranks > 1 else ["fused"] if logit_chunk else ["plain"]
+    path = next((p for p in paths if any(r["path"] == p for r in runs)), paths[0])
     same = [r for r in runs if r["path"] == path and bool(r.get("compile")) == compiled]
+    if logit_chunk:  # the fused head's records nearest the chunk (a log scale: 2x is 2x)
+        near = min((abs(math.log2(r.get("chunk") or MIN_CHUNK) - math.log2(logit_chunk))
+                    for r in same), default=None)
+        same = [r for r in same if abs(math.log2(r.get("chunk") or MIN_CHUNK)
+                                       - math.log2(logit_chunk)) == near]
+    label = f"{path}" + (", one process" if ranks > 1 and path != "fsdp" else "") + (
+        f", chunk {same[0].get('chunk') or MIN_CHUNK}" if logit_chunk and same else "") + (
+        ", compiled" if compiled else ", eager")
     exact = [r for r in same if r.get("ac", "none") == mode]
     if exact:
-        return exact[0]["mfu"], f"measured {on}, {path}, checkpointing {mode}"
+        return exact[0]["mfu"], f"measured {on}, {label}, checkpointing {mode}"
     base = [r for r in same if r.get("ac", "none") == "none"]
-    rate, source = (base[0]["mfu"], f"measured {on}, {path}") if base else (ASSUMED_MFU, ASSUMED)
+    rate, source = (base[0]["mfu"], f"measured {on}, {label}") if base else (ASSUMED_MFU, ASSUMED)
     if mode == "none":
         return rate, source
+    # the slowdown checkpointing showed on this path, else the plain one's, the other way compiled
+    for other in (path, "plain"):
+        ratio = {r.get("ac", "none"): r["mfu"] for r in runs if r["path"] == other
+                 and bool(r.get("compile")) != compiled}
+        if mode in ratio and "none" in ratio:
+            slow = ratio[mode] / ratio["none"]
+            return rate * slow, (f"{source}; x {slow:.3f} for {mode} checkpointing (measured: "
+                                 f"{other}, {'eager' if compiled else 'compiled'})")
     return rate * RECOMPUTE[mode], f"{source}; x {RECOMPUTE[mode]} for {mode} checkpointing (assumed)"
 
 
 # -----------------------------------------------------------------------------
 # The plan
 
-def on_card(args, model, ranks, kind, flops, measured):
-    """What `ranks` GPUs of `kind` make of the run: (summary entry, its lines). flops: (training,
-    cache)."""
-    peak, card = GPUS[kind]
-    m, mode, parts = choose(args, model, ranks, card, measured)
+def cards():
+    """The kinds a plan is made for: GPUS, and this machine's GPU where it has one (its free
+    memory, its peak where peak_flops knows its name): {kind: (peak or None, bytes)}."""
+    here = card_memory()
+    return {**GPUS, **({f"this GPU ({here[0]})": (peak_flops(here[0]), here[1])} if here else {})}
+
+
+def on_card(args, model, ranks, kind, card, flops, measured):
+    """What `ranks` GPUs of `kind` (card: (peak, bytes)) make of the run: (summary entry, its
+    lines). flops: (training, cache)."""
+    peak, card_bytes = card
+    m, mode, chunk, parts = choose(args, model, ranks, card_bytes, measured)
     total = sum(parts.values()) / GB
-    entry = {"micro_batch": m, "activation_checkpointing": mode, "gb_per_rank": round(total, 2),
-             "fits": m is not None, "mfu": None, "hours": None, "gpu_hours": None}
-    where = f"plan: memory per rank on {kind} ({card / GB:.0f} GB, {USABLE:.0%} usable):"
+    entry = {"micro_batch": m, "activation_checkpointing": mode, "logit_chunk": chunk,
+             "gb_per_rank": round(total, 2), "fits": m is not None, "mfu": None, "hours": None,
+             "gpu_hours": None}
+    where = (f"plan: memory per rank on {kind} ({card_bytes / GB:.1f} GB, {USABLE:.0%} usable = "
+             f"{USABLE * card_bytes / GB:.1f}):")
     detail = ", ".join(f"{k} {v / GB:.3g}" for k, v in parts.items())
     if m is None:
-        entry["min_ranks"] = min_ranks(args, model, ranks, card, measured)
+        entry["min_ranks"] = min_ranks(args, model, ranks, card_bytes, measured)
+        lm, lmode, _, lparts = with_lora(args, model, ranks, card_bytes, measured)
+        entry["lora"] = lm and {"lora_rank": LORA_RANK, "micro_batch": lm,
+                                "activation_checkpointing": lmode,
+                                "gb_per_rank": round(sum(lparts.values()) / GB, 2)}
+        fixes = [f"--lora-rank {LORA_RANK} (base weights frozen: micro-batch {lm}, checkpointing "
+                 f"{lmode}, {sum(lparts.values()) / GB:.1f} GB)"] if lm else []
+        fixes += [f"{entry['min_ranks']} ranks"] if entry["min_ranks"] else []
         return entry, [f"{where} nothing fits {ranks} rank(s): {total:.1f} GB at micro-batch 1 with "
-                       f"full checkpointing ({detail} GB); fewest ranks that fit: "
-                       f"{entry['min_ranks']}"]
+                       f"full checkpointing ({detail} GB); what fits: "
+                       f"{' or '.join(fixes) or 'nothing up to the batch in ranks'}"]
     compiled = bool(getattr(args, "compile", False))
-    rate, source = mfu(measured, ranks, mode, compiled, logit_chunk=args.logit_chunk)
+    rate, source = mfu(measured, ranks, mode, compiled, logit_chunk=chunk)
     cache_rate, cache_source = mfu(measured, ranks, mode, compiled, "cache")
-    seconds = (flops[0] / rate + flops[1] / cache_rate) / (ranks * peak)
-    entry.update(mfu=round(rate, 3), hours=round(seconds / 3600, 3),
-                 gpu_hours=round(seconds * ranks / 3600, 2))
-    return entry, [f"{where} micro-batch {m} x {args.seq_len} tokens, activation checkpointing "
-                   f"{mode}: {total:.1f} GB ({detail} GB)",
-                   f"plan: time on {ranks} x {kind}: {entry['hours']:.2f} h "
-                   f"({entry['gpu_hours']:.1f} GPU-h): training at {rate:.0%} MFU ({source}), "
-                   f"the cache at {cache_rate:.0%} ({cache_source})"]
+    head = f", the fused head in chunks of {chunk} tokens" if chunk else ""
+    lines = [f"{where} micro-batch {m} x {args.seq_len} tokens, activation checkpointing {mode}"
+             f"{head}: {total:.1f} GB ({detail} GB)"]
+    if peak:
+        seconds = (flops[0] / rate + flops[1] / cache_rate) / (ranks * peak)
+        entry.update(mfu=round(rate, 3), hours=round(seconds / 3600, 3),
+                     gpu_hours=round(seconds * ranks / 3600, 2))
+        lines.append(f"plan: time on {ranks} x {kind}: {entry['hours']:.2f} h "
+                     f"({entry['gpu_hours']:.1f} GPU-h): training at {rate:.0%} MFU ({source}), "
+                     f"the cache at {cache_rate:.0%} ({cache_source})")
+    return entry, lines
 
 
-def plan(args, model, L, ranks, cache_bytes=None, measured=None, gpu="H100"):
+def plan(args, model, L, ranks, cache_bytes=None, measured=None, gpu="H100", kinds=None):
     """prune.py --plan RANKS: (lines to print, summary: one JSON object). args: prune.parse_args()'s
-    namespace once prune.py has resolved it for L layers on RANKS (T, T_M, the logit chunk: its
-    resolve_args); model: the student on the meta device (scale.fsdp.meta_model); measured: the
-    bench's JSON (default: experiments/gpu_bench.json if the repo keeps one; {} for the formula and
-    the assumed MFU alone). The summary's micro_batch, activation_checkpointing, gb_per_rank, fits
-    (and min_ranks) are `gpu`'s; by_kind holds every kind's; mfu, hours and gpu_hours each kind's
-    on `ranks` (None where the run does not fit)."""
+    namespace once prune.py has resolved it for L layers on RANKS (T, T_M, compile; the logit
+    chunk where given: its resolve_args); model: the student on the meta device (scale.fsdp.
+    meta_model); measured: the bench's JSON (default: experiments/gpu_bench.json if the repo keeps
+    one; {} for the formula and the assumed MFU alone); kinds: {kind: (peak, bytes)} (default:
+    cards()). The summary's micro_batch, activation_checkpointing, logit_chunk, gb_per_rank, fits
+    (and min_ranks, lora) are `gpu`'s; by_kind holds every kind's; mfu, hours and gpu_hours each
+    kind's on `ranks` (None where the run does not fit)."""
     measured = load_bench() if measured is None else measured
+    kinds = cards() if kinds is None else kinds
     train_flops, cache_flops, tokens = run_flops(args, model, L)
-    act = {mode: activation_bytes(text_config(model), mode, 2 if ranks > 1 else 4, measured)
-           for mode in MODES}
+    act = {mode: activation_bytes(text_config(model), mode, ranks > 1, measured) for mode in MODES}
     lines = [f"plan: training {train_flops:.3g} FLOP ({args.search_steps} search steps at {L} "
              f"layers, {args.steps - args.search_steps} at {args.keep}), teacher cache "
              f"{cache_flops:.3g} FLOP (its forward over the {tokens:,} tokens); activations a token "
              f"and layer: " + ", ".join(f"{mode} {b / 1e3:.1f} KB ({source})"
-                                        for mode, (b, source) in act.items())]
+                                        for mode, (b, source) in act.items())
+             + f"; {'compiled' if getattr(args, 'compile', False) else 'eager'}"]
     by_kind = {}
-    for kind in GPUS:
-        by_kind[kind], more = on_card(args, model, ranks, kind, (train_flops, cache_flops), measured)
+    for kind, card in kinds.items():
+        by_kind[kind], more = on_card(args, model, ranks, kind, card, (train_flops, cache_flops),
+                                      measured)
         lines += more
     per_kind = ("mfu", "hours", "gpu_hours")  # keyed by kind; the rest is `gpu`'s
     summary = {"params": sum(p.numel() for p in model.parameters()), "tokens": tokens,
@@ -310,6 +446,7 @@ def plan(args, model, L, ranks, cache_bytes=None, measured=None, gpu="H100"):
                **{k: v for k, v in by_kind[gpu].items() if k not in per_kind},
                **{k: {kind: e[k] for kind, e in by_kind.items()} for k in per_kind},
                "by_kind": by_kind, "measured_on": measured.get("device"),
+               "compile": bool(getattr(args, "compile", False)),
                "activation_bytes": {mode: round(b) for mode, (b, _) in act.items()}}
     if cache_bytes is not None:
         summary["cache_gb"] = round(cache_bytes / GB, 2)
@@ -355,17 +492,18 @@ def print_plan(args):
 
 
 def pick_for_card(args, world):
-    """prune.py on a GPU with --micro-batch or --activation-checkpointing unset: choose()'s pick for
-    this card (a value given is kept)."""
-    import torch
-
+    """prune.py on a GPU with --micro-batch, --activation-checkpointing or (> 1 rank) --logit-chunk
+    unset: choose()'s pick for this card's free memory (a value given is kept)."""
     from cache_teacher import print0
     from scale.fsdp import meta_model
-    card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    micro, mode, _ = choose(args, meta_model(args)[0], world, card)
+    micro, mode, chunk, _ = choose(args, meta_model(args)[0], world, card_memory()[1])
     if micro is None:
         print0("warning: the plan finds no micro-batch that fits this GPU (prune.py --plan): "
                "trying one sequence with full checkpointing")
     args.micro_batch = args.micro_batch or micro or 1  # a value given is kept, fitting or not
     args.activation_checkpointing = args.activation_checkpointing or mode or "full"
-    print0(f"micro-batch {args.micro_batch}, activation checkpointing {args.activation_checkpointing}")
+    if args.logit_chunk is None:
+        args.logit_chunk = chunk or (MIN_CHUNK if world > 1 else 0)
+    head = f", the fused head in chunks of {args.logit_chunk} tokens" if args.logit_chunk else ""
+    print0(f"micro-batch {args.micro_batch}, activation checkpointing "
+           f"{args.activation_checkpointing}{head}")

@@ -20,21 +20,35 @@ def test_the_lease_command_at_tiny_sizes(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     last = json.loads(done.stdout.strip().splitlines()[-1])
     assert last == json.loads((tmp_path / "out" / "gpu_bench.json").read_text())
-    runs = {(r["path"], r["shape"], r.get("compile", 0), r.get("ac", "none")): r
+    runs = {(r["path"], r["shape"], r.get("compile", 0), r.get("ac", "none"), r.get("chunk")): r
             for r in last["runs"]}
-    eager = [(path, shape, 0, "none") for shape in gpu_bench.SHAPES
-             for path in ("plain", "fused", "fsdp")]
-    for key in eager + [("fsdp", "7b8", 0, "full")]:
+    tiny_chunk = gpu_bench.chunk_sizes(gpu_bench.TINY[1] * gpu_bench.TINY[2])[0]  # the plan's pick
+    assert tiny_chunk == 32  # half the micro-batch's 2 x 32 tokens
+    eager = [(path, shape, 0, "none", {"plain": 0}.get(path, tiny_chunk))
+             for shape in ("1b", "7b8", "135m") for path in ("plain", "fused", "fsdp")]
+    eager += [("plain", "1bm8", 0, "none", 0), ("plain", "135ms128", 0, "none", 0),
+              ("fused", "135ms128", 0, "none", tiny_chunk)]
+    swept = [("fused", "1b", 0, "none", chunk) for chunk in (256, 1024, 4096)]  # the chunk sweep
+    checkpointed = [("fsdp", "7b8", 0, "full", tiny_chunk), ("plain", "7b", 0, "full", 0)]
+    for key in eager + swept + checkpointed:
         run = runs[key]
         assert "error" not in run, (key, run)
         assert run["tok_s"] > 0 and run["flops_per_token"] > 0 and run["device"] == "cpu"
         assert run["mfu"] is None and run["peak_gb"] is None  # a CPU has no peak in the table
+    for key in eager + checkpointed:  # FSDP2 where the path says so, not the plain one
+        assert runs[key]["fsdp2"] == (key[0] == "fsdp"), key
     for key in eager:  # profiled: eager, no checkpointing
         assert runs[key]["profile"]["host_syncs"] == 0 and runs[key]["profile"]["span_ms"] > 0
-    for shape in gpu_bench.SHAPES:
-        assert runs[("teacher", shape, 0, "none")]["tok_s"] > 0
+    for shape in ("1b", "7b8", "135m"):
+        assert runs[("teacher", shape, 0, "none", None)]["tok_s"] > 0
     assert all(r["skipped"] for key, r in runs.items() if key[2])  # compiled: on a GPU only
-    assert last["activations"]["none"]["formula"] > last["activations"]["full"]["formula"] > 0
+    assert ("plain", "7b", 1, "selective", None) in runs  # the one-H200 recipe's, skipped here
+    for path in ("plain", "fsdp"):  # the probe in both paths, modelled (no allocator to read here)
+        probe = last["activations"][path]
+        assert probe["none"]["formula"] > probe["selective"]["formula"] > probe["full"]["formula"] > 0
+        assert probe["full"]["measured"] is None
+    assert set(last["goals"]) >= {"fused_over_plain_1b (>= 0.95)", "fsdp_over_plain_1b (>= 0.9)",
+                                  "micro_batch_8_over_2_1b_compiled (> 1)"}
     assert "gpu_bench: 2/3 FSDP2 over one GPU" in done.stdout
 
 
@@ -48,3 +62,5 @@ def test_a_run_spec():
     assert gpu_bench.run_spec("plain/1b") == {"path": "plain", "shape": "1b", "compile": 0,
                                               "ac": "none"}
     assert gpu_bench.run_spec("teacher/135m") == {"path": "teacher", "shape": "135m"}
+    assert gpu_bench.run_spec("fused/1b/0/none/1024") == {"path": "fused", "shape": "1b", "compile": 0,
+                                                          "ac": "none", "chunk": 1024}
