@@ -7,19 +7,25 @@ made of prune.py's own pieces: its AdamW (prune.make_optimizer: fused, betas (0.
 (micro-batches' backwards, the gradient clip, the step).
 
     bash experiments/gpu_bench.sh OUT          # the whole bench on one GPU in < 10 minutes
-    python experiments/gpu_bench.py --out DIR --runs plain/1b,fused/1b/1,teacher/1b [--profile]
+    python experiments/gpu_bench.py --out DIR --runs plain/1b,fused/1b/1,teacher/1b/1 [--profile]
     torchrun --nproc_per_node 1 experiments/gpu_bench.py --out DIR --runs fsdp/7b8/1,fsdp/7b8/0/full
         [--activations none,selective,full]
     python experiments/gpu_bench.py --collect DIR   # one JSON: stdout's last line, DIR/gpu_bench.json
     ... --tiny                                      # tiny shapes, CPU fp32, a few steps (the tests)
 
-A run is PATH/SHAPE[/COMPILE[/CHECKPOINTING]]; the paths:
+A run is PATH/SHAPE[/COMPILE[/CHECKPOINTING]] (a teacher run: teacher/SHAPE[/COMPILE]); the paths:
   plain    one process, model(x).logits and kd.py's loss under bf16 autocast, fp32 master weights
   fused    one process, --logit-chunk 256: scale/fused_loss.py's head + loss (autocast if FusedLoss
            takes it: the record says)
   fsdp     FSDP2 over a world of one under torchrun (bf16 compute, fp32 reduce), the fused head
   teacher  cache_teacher.teacher_targets over 8 sequences (build_cache's batch) in the teacher's
-           dtype (bf16 on a GPU), no gradient
+           dtype (bf16 on a GPU), no gradient, as build_cache runs it (each slice's log-softmax,
+           entropy and top-K compiled on a GPU: scale/teacher.py; COMPILE 1: the teacher's layers
+           compiled too); beside it, on the same model and batch, timed one after the other:
+             eager  the same code with every compiled function run eagerly
+                    (torch.compiler.set_stance("force_eager")): the slices' work an op at a time
+             plain  model(x).logits, log_softmax and top-K in the logits' dtype, eager: the least a
+                    user would write (no entropy); the record's over_plain is tok_s over its own
 
 A record: tokens a second over `--steps` timed steps after `--warmup` (torch.cuda.synchronize before
 and after the timed steps only; the loss read once, after them), MFU, the peak of
@@ -59,6 +65,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts live at the repo root
 import prune  # noqa: E402
 from cache_teacher import init_distributed, teacher_dtype, teacher_targets  # noqa: E402
+from scale.compile import compile_layers  # noqa: E402
 from scale.plan import activation_formula, flops_per_token, peak_flops  # noqa: E402
 
 # name: (config, sequence length, micro-batch in sequences)
@@ -112,11 +119,14 @@ def parse_args(argv=None):
 
 
 def run_spec(text):
-    """'fsdp/7b8/1/full' -> {"path": "fsdp", "shape": "7b8", "compile": 1, "ac": "full"}."""
+    """'fsdp/7b8/1/full' -> {"path": "fsdp", "shape": "7b8", "compile": 1, "ac": "full"}; a
+    teacher run has no checkpointing, and its compile only when named ('teacher/1b/1')."""
     path, shape, *rest = text.split("/")
     compiled, ac = rest + ["0", "none"][len(rest):]
     spec = {"path": path, "shape": shape}
-    return spec if path == "teacher" else {**spec, "compile": int(compiled), "ac": ac}
+    if path == "teacher":
+        return {**spec, "compile": int(compiled)} if rest else spec
+    return {**spec, "compile": int(compiled), "ac": ac}
 
 
 # -----------------------------------------------------------------------------
@@ -262,15 +272,26 @@ def train_run(args, shape, path, compiled, ac, device):
     return record
 
 
-def teacher_run(args, shape, device):
+def teacher_run(args, shape, compiled, device):
     cfg, seq = config(shape, args.shape_table), args.shape_table[shape][1]
     model = random_model(cfg, device, teacher_dtype(device)).eval()
     ids = cache_batch(cfg, seq, TEACHER_BATCH, device, seed=0)["input_ids"]
     step = lambda: teacher_targets(model, ids, cfg.vocab_size, TOPK)  # noqa: E731
-    seconds, _ = timed(step, 1, args.steps, device)
+
+    @torch.no_grad()
+    def plain():
+        return torch.log_softmax(model(input_ids=ids, use_cache=False).logits, -1).topk(TOPK)
+    warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2 + compiled)
+    with torch.compiler.set_stance("force_eager"):  # the compiled slice function runs as written
+        plain_s, eager_s = (timed(fn, warmup, args.steps, device)[0] for fn in (plain, step))
+    if compiled:
+        compile_layers(model)
+    seconds, _ = timed(step, warmup, args.steps, device)
     tokens = ids.numel()
     return {"tokens_per_step": tokens, "seconds_per_step": round(seconds, 4),
-            "tok_s": round(tokens / seconds), "peak_gb": peak_memory(device),
+            "tok_s": round(tokens / seconds), "eager_tok_s": round(tokens / eager_s),
+            "plain_tok_s": round(tokens / plain_s), "over_plain": round(plain_s / seconds, 3),
+            "over_eager": round(eager_s / seconds, 3), "peak_gb": peak_memory(device),
             "dtype": str(teacher_dtype(device)).removeprefix("torch."),
             "flops_per_token": flops(cfg, seq, train=False)}
 
@@ -328,8 +349,9 @@ def attempt(args, device, what, fn, *fn_args):
     free(device)
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     peak = peak_flops(device_name)
-    if "tok_s" in fields:
-        fields["mfu"] = peak and round(fields["flops_per_token"] * fields["tok_s"] / peak, 4)
+    for key in [k for k in fields if k.endswith("tok_s")]:  # tok_s -> mfu, plain_tok_s -> plain_mfu
+        fields[key.replace("tok_s", "mfu")] = peak and round(
+            fields["flops_per_token"] * fields[key] / peak, 4)
     record(args, **what, **fields, device=device_name, wall_s=round(time.time() - t0, 1))
 
 
@@ -349,7 +371,8 @@ def main(argv=None):
                 path, device)
     for run in args.runs:
         if run["path"] == "teacher":
-            attempt(args, device, run, teacher_run, args, run["shape"], device)
+            attempt(args, device, run, teacher_run, args, run["shape"], run.get("compile", 0),
+                    device)
         else:
             attempt(args, device, run, train_run, args, run["shape"], run["path"], run["compile"],
                     run["ac"], device)
@@ -371,8 +394,8 @@ def collect(folder):
     acts = {r["activations"]: {k: r.get(k) for k in keys} for r in lines if "activations" in r}
     devices = sorted({r["device"] for r in lines if "device" in r})
 
-    def mfu(shape, path, compiled=0):
-        found = [r.get("mfu") for r in runs if (r["shape"], r["path"], r.get("compile", 0),
+    def mfu(shape, path, compiled=0, key="mfu"):
+        found = [r.get(key) for r in runs if (r["shape"], r["path"], r.get("compile", 0),
                  r.get("ac", "none")) == (shape, path, compiled, "none")]
         return found[0] if found else None
     plain, fsdp = mfu("1b", "plain"), mfu("1b", "fsdp")
@@ -383,7 +406,13 @@ def collect(folder):
                "goals": {"plain_1b_mfu (>= 0.40)": plain,
                          "fsdp_over_plain_1b (>= 0.9)": fsdp / plain if fsdp and plain else None,
                          "fsdp_compiled_7b8_mfu (>= 0.40)": mfu("7b8", "fsdp", 1),
-                         "teacher_1b_mfu (>= 0.50)": mfu("1b", "teacher")},
+                         "teacher_1b_mfu (>= 0.50)": mfu("1b", "teacher"),
+                         "teacher_7b8_mfu (>= 0.55)": mfu("7b8", "teacher"),
+                         "teacher_over_plain_1b (>= 1.3)": mfu("1b", "teacher", key="over_plain"),
+                         # the same with the teacher's layers compiled (not build_cache's default)
+                         "teacher_compiled_1b_mfu": mfu("1b", "teacher", 1),
+                         "teacher_compiled_7b8_mfu": mfu("7b8", "teacher", 1),
+                         "teacher_compiled_over_plain_1b": mfu("1b", "teacher", 1, "over_plain")},
                "activations": acts, "runs": runs}
     (Path(folder) / "gpu_bench.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary

@@ -3,10 +3,11 @@
 # H100 (a stage past BUDGET seconds starts no further run), every record under OUT as it is made
 # (OUT/records.jsonl), a progress line a run, OUT/gpu_bench.json last and its content as stdout's
 # last line. In order of what the issue's goals need first:
-#   1. one process, eager: the plain head, the fused head, the teacher's forward; each step profiled
+#   1. one process, eager: the plain head, the fused head (each step profiled), the teacher's
+#      forward (as build_cache runs it: its slices' work compiled on a GPU)
 #   2. FSDP2 over one GPU (torchrun, a free port): the activation bytes a token and layer for each
 #      checkpointing mode, eager (profiled), compiled, checkpointed at 7b8
-#   3. one process, compiled: the plain and the fused head
+#   3. one process, compiled: the plain and the fused head, the teacher with its layers compiled
 #
 #   bash experiments/gpu_bench.sh OUT [BUDGET_SECONDS]   # PYTHON=...: the interpreter; TINY=1: CPU size
 set -u
@@ -31,5 +32,5 @@ timeout "$(left)" $PY -m torch.distributed.run --nproc_per_node 1 --master_port 
     --runs fsdp/1b,fsdp/7b8,fsdp/7b8/1,fsdp/1b/1,fsdp/7b8/0/selective,fsdp/7b8/0/full,fsdp/135m,fsdp/135m/1
 echo "gpu_bench: 3/3 one process, compiled"
 timeout "$(left)" $PY $BENCH --collect "$OUT" \
-    --runs plain/1b/1,fused/1b/1,plain/7b8/1,fused/7b8/1,plain/135m/1,fused/135m/1 \
+    --runs plain/1b/1,fused/1b/1,teacher/1b/1,plain/7b8/1,fused/7b8/1,teacher/7b8/1,plain/135m/1,fused/135m/1 \
     || $PY experiments/gpu_bench.py --collect "$OUT"  # stopped: the JSON of what was measured
