@@ -463,40 +463,41 @@ def storage_dtypes(vocab, targets="topk", assistant_only=False):
 
 
 
+def token_stats(z, topk, with_logp=False):
+    """Logits z (n, V) -> {entropy (n,); topk_logprobs, topk_ids (n, K) if topk} of the full softmax
+    in fp32, and log p if asked: eager on a CPU, compiled on a GPU (scale/teacher.py)."""
+    logp = F.log_softmax(z.float(), dim=-1)
+    # H_t = -sum_v p log p, all V of it; a masked entry (logit -inf) adds 0 log 0 = 0, not NaN
+    found = {"entropy": -torch.linalg.vecdot(logp.exp(), logp.clamp(min=torch.finfo(logp.dtype).min))}
+    if topk:  # z's own top-K: log p is z less a number a row (z orders even what rounding ties)
+        ids = found["topk_ids"] = z.topk(topk, dim=-1).indices
+        found["topk_logprobs"] = logp.gather(-1, ids)
+    return found, logp if with_logp else None
+
+
 @torch.no_grad()
 def teacher_targets(model, input_ids, vocab, topk, logit_chunk=0, samples=0, generator=None):
-    """input_ids (B, T) -> topk_ids, topk_logprobs (B, T, K) and entropy (B, T) from the model's own
-    logits, log-softmax in fp32 a slice of tokens at a time. samples > 0: sample_ids (B, T, samples)
-    drawn (`generator`, on its device) from the teacher's softmax (topk 0: instead of the top-K),
-    or, beside a top-K, from the rest of it: the softmax with the top-K set to 0 (hybrid targets).
-    logit_chunk > 0: the logits made from the last layer's output that many tokens at a time, never
-    (B, T, V) at once (the scale wing: a 152K vocabulary at 4096 tokens is 2.5 GB a sequence)."""
-    if logit_chunk:
-        from scale.fused_loss import chunked_logits
-        logits, (B, T) = chunked_logits(model, input_ids, logit_chunk), input_ids.shape
-    else:
-        logits = model(input_ids=input_ids, use_cache=False).logits
-        B, T = logits.shape[:2]
-        logits = logits.flatten(0, 1)
-    out = {"topk_ids": [], "topk_logprobs": [], "sample_ids": [], "entropy": []}
+    """input_ids (B, T) -> topk_ids, topk_logprobs (B, T, K), entropy (B, T): token_stats of the
+    model's own logits a slice of tokens at a time. samples > 0: sample_ids (B, T, samples) drawn
+    (`generator`, on its device) from the teacher's softmax (topk 0: instead of the top-K), or beside
+    a top-K from its rest, the softmax with the top-K set to 0 (hybrid). logit_chunk > 0: the logits
+    made from the last layer's output that many tokens at a time, never (B, T, V) at once (the scale
+    wing: a 152K vocabulary at 4096 tokens is 2.5 GB a sequence)."""
+    (B, T), out, stats = input_ids.shape, [], token_stats
+    if input_ids.device.type == "cuda":
+        from scale.teacher import compiled_token_stats as stats
+    chunks = ([model(input_ids=input_ids, use_cache=False).logits.flatten(0, 1)] if not logit_chunk
+              else importlib.import_module("scale.fused_loss").chunked_logits(model, input_ids, logit_chunk))
     # 64-token slices on a CPU stay in cache (12.6 MB of fp32 at V = 49K); a GPU takes 4096
-    for z in (logits if logit_chunk else [logits]):
+    for z in chunks:
         for z in z.split(64 if z.device.type == "cpu" else 4096):
-            logp = F.log_softmax(z[:, :vocab].float(), dim=-1)  # padding rows past the tokenizer go
-            # H_t = -sum_v p log p over the whole vocabulary (capped at ln K if taken from top-K);
-            # a masked entry (logit -inf) adds 0 log 0 = 0, not 0 x -inf = NaN
-            finite = logp.clamp(min=torch.finfo(logp.dtype).min)
-            out["entropy"].append(-torch.linalg.vecdot(logp.exp(), finite))
-            if topk:
-                values, indices = logp.topk(topk, dim=-1)
-                out["topk_logprobs"].append(values)
-                out["topk_ids"].append(indices)
+            found, logp = stats(z[:, :vocab], topk, samples > 0)  # padding rows past the tokenizer go
             if samples:  # x_j ~ p_t (or ~ its rest), with replacement: an unbiased picture of it
-                p = logp.exp().scatter_(-1, indices, 0) if topk else logp.exp()
+                p = logp.exp().scatter_(-1, found["topk_ids"], 0) if topk else logp.exp()
                 p[p.sum(-1) == 0] = 1  # no rest left (all mass in the top-K): its weight is 0
-                out["sample_ids"].append(torch.multinomial(p, samples, True, generator=generator))
-    return {k: torch.cat(v).view(B, T, -1) if k != "entropy" else torch.cat(v).view(B, T)
-            for k, v in out.items() if v}
+                found["sample_ids"] = torch.multinomial(p, samples, True, generator=generator)
+            out.append(found)
+    return {k: torch.cat([f[k] for f in out]).view(B, T, *v.shape[1:]) for k, v in out[0].items()}
 
 
 def shard_generator(identity, split_name, j, device):

@@ -7,20 +7,26 @@ made of prune.py's own pieces: its AdamW (prune.make_optimizer: fused, betas (0.
 (micro-batches' backwards, the gradient clip, the step).
 
     bash experiments/gpu_bench.sh OUT          # the whole bench on one GPU in < 10 minutes
-    python experiments/gpu_bench.py --out DIR --runs plain/1b,fused/1b/1,fused/1b/0/none/1024 [--profile]
+    python experiments/gpu_bench.py --out DIR --runs plain/1b,fused/1b/1,fused/1b/0/none/1024,teacher/1b/1 [--profile]
     torchrun --nproc_per_node 1 experiments/gpu_bench.py --out DIR --runs fsdp/7b8/1,fsdp/7b8/0/full
         [--activations none,selective,full]
     python experiments/gpu_bench.py --collect DIR   # one JSON: stdout's last line, DIR/gpu_bench.json
     ... --tiny                                      # tiny shapes, CPU fp32, a few steps (the tests)
 
-A run is PATH/SHAPE[/COMPILE[/CHECKPOINTING[/CHUNK]]]; the paths:
+A run is PATH/SHAPE[/COMPILE[/CHECKPOINTING[/CHUNK]]] (a teacher run: teacher/SHAPE[/COMPILE]); the paths:
   plain    one process, model(x).logits and kd.py's loss under bf16 autocast, fp32 master weights
   fused    one process, scale/fused_loss.py's head + loss in chunks of CHUNK tokens (default: the
            plan's pick, scale.plan.chunk_sizes: half a micro-batch's tokens)
   fsdp     FSDP2 over a world of one under torchrun (bf16 compute, fp32 reduce), the fused head as
            prune.py runs it there (its record's fsdp2: the student is FSDP2's)
   teacher  cache_teacher.teacher_targets over 8 sequences (build_cache's batch) in the teacher's
-           dtype (bf16 on a GPU), no gradient
+           dtype (bf16 on a GPU), no gradient, as build_cache runs it (each slice's log-softmax,
+           entropy and top-K compiled on a GPU: scale/teacher.py; COMPILE 1: the teacher's layers
+           compiled too); beside it, on the same model and batch, timed one after the other:
+             eager  the same code with every compiled function run eagerly
+                    (torch.compiler.set_stance("force_eager")): the slices' work an op at a time
+             plain  model(x).logits, log_softmax and top-K in the logits' dtype, eager: the least a
+                    user would write (no entropy); the record's over_plain is tok_s over its own
 
 A record: tokens a second over `--steps` timed steps after `--warmup` (torch.cuda.synchronize before
 and after the timed steps only; the loss read once, after them), MFU, the peak of
@@ -64,6 +70,7 @@ from torch.distributed.fsdp import FSDPModule
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts live at the repo root
 import prune  # noqa: E402
 from cache_teacher import init_distributed, teacher_dtype, teacher_targets  # noqa: E402
+from scale.compile import compile_layers  # noqa: E402
 from scale.plan import chunk_sizes, flops_per_token, peak_flops, probe_bytes  # noqa: E402
 
 # name: (config, sequence length, micro-batch in sequences)
@@ -126,12 +133,13 @@ def parse_args(argv=None):
 
 def run_spec(text):
     """'fsdp/7b8/1/full' -> {"path": "fsdp", "shape": "7b8", "compile": 1, "ac": "full"};
-    'fused/1b/0/none/1024' -> ... "chunk": 1024 (the fused head's, where given)."""
+    'fused/1b/0/none/1024' -> ... "chunk": 1024 (the fused head's, where given); a teacher run has
+    no checkpointing, and its compile only when named ('teacher/1b/1')."""
     path, shape, *rest = text.split("/")
     compiled, ac, *chunk = rest + ["0", "none"][len(rest):]
     spec = {"path": path, "shape": shape}
     if path == "teacher":
-        return spec
+        return {**spec, "compile": int(compiled)} if rest else spec
     return {**spec, "compile": int(compiled), "ac": ac, **({"chunk": int(chunk[0])} if chunk else {})}
 
 
@@ -282,15 +290,26 @@ def train_run(args, shape, path, compiled, ac, device, chunk=None):
     return record
 
 
-def teacher_run(args, shape, device):
+def teacher_run(args, shape, compiled, device):
     cfg, seq = config(shape, args.shape_table), args.shape_table[shape][1]
     model = random_model(cfg, device, teacher_dtype(device)).eval()
     ids = cache_batch(cfg, seq, TEACHER_BATCH, device, seed=0)["input_ids"]
     step = lambda: teacher_targets(model, ids, cfg.vocab_size, TOPK)  # noqa: E731
-    seconds, _ = timed(step, 1, args.steps, device)
+
+    @torch.no_grad()
+    def plain():
+        return torch.log_softmax(model(input_ids=ids, use_cache=False).logits, -1).topk(TOPK)
+    warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2 + compiled)
+    with torch.compiler.set_stance("force_eager"):  # the compiled slice function runs as written
+        plain_s, eager_s = (timed(fn, warmup, args.steps, device)[0] for fn in (plain, step))
+    if compiled:
+        compile_layers(model)
+    seconds, _ = timed(step, warmup, args.steps, device)
     tokens = ids.numel()
     return {"tokens_per_step": tokens, "seconds_per_step": round(seconds, 4),
-            "tok_s": round(tokens / seconds), "peak_gb": peak_memory(device),
+            "tok_s": round(tokens / seconds), "eager_tok_s": round(tokens / eager_s),
+            "plain_tok_s": round(tokens / plain_s), "over_plain": round(plain_s / seconds, 3),
+            "over_eager": round(eager_s / seconds, 3), "peak_gb": peak_memory(device),
             "dtype": str(teacher_dtype(device)).removeprefix("torch."),
             "flops_per_token": flops(cfg, seq, train=False)}
 
@@ -351,8 +370,9 @@ def attempt(args, device, what, fn, *fn_args):
     free(device)
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     peak = peak_flops(device_name)
-    if "tok_s" in fields:
-        fields["mfu"] = peak and round(fields["flops_per_token"] * fields["tok_s"] / peak, 4)
+    for key in [k for k in fields if k.endswith("tok_s")]:  # tok_s -> mfu, plain_tok_s -> plain_mfu
+        fields[key.replace("tok_s", "mfu")] = peak and round(
+            fields["flops_per_token"] * fields[key] / peak, 4)
     record(args, **{**what, **fields}, device=device_name, wall_s=round(time.time() - t0, 1))
 
 
@@ -372,7 +392,8 @@ def main(argv=None):
                 path, device)
     for run in args.runs:
         if run["path"] == "teacher":
-            attempt(args, device, run, teacher_run, args, run["shape"], device)
+            attempt(args, device, run, teacher_run, args, run["shape"], run.get("compile", 0),
+                    device)
         else:
             attempt(args, device, run, train_run, args, run["shape"], run["path"], run["compile"],
                     run["ac"], device, run.get("chunk"))
@@ -416,6 +437,12 @@ def collect(folder):
         "fsdp_over_plain_1b (>= 0.9)": ratio(run("1b", "fsdp"), plain),
         "fsdp_compiled_7b8_mfu (>= 0.40)": run("7b8", "fsdp", 1).get("mfu"),
         "teacher_1b_mfu (>= 0.50)": run("1b", "teacher").get("mfu"),
+        "teacher_7b8_mfu (>= 0.55)": run("7b8", "teacher").get("mfu"),
+        "teacher_over_plain_1b (>= 1.3)": run("1b", "teacher").get("over_plain"),
+        # the same with the teacher's layers compiled (not build_cache's default)
+        "teacher_compiled_1b_mfu": run("1b", "teacher", 1).get("mfu"),
+        "teacher_compiled_7b8_mfu": run("7b8", "teacher", 1).get("mfu"),
+        "teacher_compiled_over_plain_1b": run("1b", "teacher", 1).get("over_plain"),
         "fused_over_plain_1b (>= 0.95)": ratio(fused, plain),
         "fused_1b_chunk, peak_gb fused/plain": [fused.get("chunk"), fused.get("peak_gb"),
                                                 plain.get("peak_gb")],

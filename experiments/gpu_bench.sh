@@ -5,12 +5,14 @@
 # last line: issue 47's goals read off it (gpu_bench.collect). In order of what the goals need first:
 #   1. one process, eager: the activation bytes a token and layer for each checkpointing mode; the
 #      plain head, the fused head at the plan's chunk and at 256, 1024, 4096 (1B), the teacher's
-#      forward; 1B at micro-batch 8, SmolLM2-135M at the paper grid's seq 128, Llama-2-7B whole
-#      (full checkpointing: one GPU's run); each step without checkpointing profiled
+#      forward (as build_cache runs it: its slices' work compiled on a GPU); 1B at micro-batch 8,
+#      SmolLM2-135M at the paper grid's seq 128, Llama-2-7B whole (full checkpointing: one GPU's
+#      run); each step without checkpointing profiled
 #   2. FSDP2 over one GPU (torchrun, a free port): the activation bytes again (bf16 residual stream),
 #      eager (profiled), compiled, checkpointed at 7b8
-#   3. one process, compiled (prune.py's default on a GPU): the same shapes, Llama-2-7B whole with
-#      full and with selective checkpointing (the plan's pick for one H200)
+#   3. one process, compiled (prune.py's default on a GPU): the same shapes, the teacher with its
+#      layers compiled, Llama-2-7B whole with full and with selective checkpointing (the plan's
+#      pick for one H200)
 #
 #   bash experiments/gpu_bench.sh OUT [BUDGET_SECONDS]   # PYTHON=...: the interpreter; TINY=1: CPU size
 set -u
@@ -35,5 +37,5 @@ timeout "$(left)" $PY -m torch.distributed.run --nproc_per_node 1 --master_port 
     --runs fsdp/1b,fsdp/7b8,fsdp/7b8/1,fsdp/1b/1,fsdp/7b8/0/selective,fsdp/7b8/0/full,fsdp/135m,fsdp/135m/1
 echo "gpu_bench: 3/3 one process, compiled"
 timeout "$(left)" $PY $BENCH --collect "$OUT" \
-    --runs plain/1b/1,fused/1b/1,plain/1bm8/1,plain/7b8/1,fused/7b8/1,plain/135m/1,fused/135m/1,plain/135ms128/1,plain/7b/1/full,plain/7b/1/selective \
+    --runs plain/1b/1,fused/1b/1,teacher/1b/1,plain/1bm8/1,plain/7b8/1,fused/7b8/1,teacher/7b8/1,plain/135m/1,fused/135m/1,plain/135ms128/1,plain/7b/1/full,plain/7b/1/selective \
     || $PY experiments/gpu_bench.py --collect "$OUT"  # stopped: the JSON of what was measured

@@ -1,17 +1,39 @@
 """
-A teacher too big for one GPU (or any, with cache_teacher.py --shard-teacher under torchrun):
-FSDP2-sharded over the ranks instead of copied to each. Only rank 0 reads its weights, the others
-build it on the meta device and receive their shards (fsdp.parallelize), so host and device memory
-a rank falls with the number of ranks. Every rank still computes its own shards of the cache; since
-each forward is collective, a rank with fewer batches runs the difference on a dummy batch, whose
-targets it discards. The cache is the same as one process's.
+The teacher on GPUs. Its targets' per-slice work compiled (cache_teacher.token_stats: the one
+function, eager on a CPU), and a teacher too big for one GPU (or any, with cache_teacher.py
+--shard-teacher under torchrun) FSDP2-sharded over the ranks instead of copied to each. Only rank 0
+reads its weights, the others build it on the meta device and receive their shards
+(fsdp.parallelize), so host and device memory a rank falls with the number of ranks. Every rank
+still computes its own shards of the cache; since each forward is collective, a rank with fewer
+batches runs the difference on a dummy batch, whose targets it discards. The cache is the same as
+one process's.
 """
+import functools
+
 import torch
 from tqdm import tqdm
 
-from cache_teacher import all_gather, compute_shards, load_model, teacher_dtype, teacher_targets
+from cache_teacher import (all_gather, compute_shards, load_model, teacher_dtype, teacher_targets,
+                           token_stats)
 from scale.data import stored_mask
 from scale.fsdp import parallelize
+
+
+def compiled_token_stats(z, topk, with_logp=False):
+    """token_stats(z, topk, with_logp), compiled. Eager, each of its operations writes an (n, V)
+    fp32 tensor that the next reads back: the upcast, log p, p, the clamp. Compiled, they become a
+    few fused reductions over the slice's logits (bf16, half fp32's bytes) that write only the (n,)
+    entropy and the (n, K) log-probs gathered at the top-K (log p itself only when sampling asks for
+    it); the top-K is torch's own kernel, over z. Static shapes: the 4096-token slices, and a
+    batch's last one, compile once each."""
+    return _compiled()(z, topk, with_logp)
+
+
+@functools.cache
+def _compiled():  # on first use: torch.compile imports dynamo and inductor, seconds a process
+    # (not fullgraph: past dynamo's limit of shapes a shape runs eagerly instead of raising; the
+    # tests check that each form is one graph)
+    return torch.compile(token_stats, dynamic=False)
 
 
 def fits_one_device(model_name, device, margin=0.8):

@@ -89,6 +89,60 @@ def test_targets_equal_float64_full_vocabulary_reference(ref):
     assert_matches_float64(cache, ref["model_name"])
 
 
+def fp32_targets_written_out(logits, topk, samples=0, generator=None):
+    """(n, V) fp32 logits -> the targets an operation at a time, apart from token_stats: the
+    log-softmax, its top-K, the entropy over the clamped log p, draws from p less the top-K."""
+    logp = F.log_softmax(logits, dim=-1)
+    values, ids = logp.topk(topk, dim=-1)
+    entropy = -(logp.exp() * logp.clamp(min=torch.finfo(torch.float32).min)).sum(-1)
+    p = logp.exp().scatter_(-1, ids, 0)
+    draws = torch.multinomial(p, samples, True, generator=generator) if samples else None
+    return {"topk_ids": ids, "topk_logprobs": values, "entropy": entropy, "sample_ids": draws}
+
+
+@pytest.mark.parametrize("samples", [0, 12])
+def test_targets_equal_the_fp32_log_softmax_written_out(tiny_model, samples):
+    """teacher_targets on a CPU (token_stats eager, 64 tokens a slice) against the fp32 log-softmax of
+    model(x).logits written out: the same top-K ids (those of the float64 softmax too) and, for
+    hybrid targets, the same draws; log-probs and entropies within 1e-6."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    # top-K: two slices (64 + 56 tokens); hybrid: one (the reference draws from all rows at once)
+    x = torch.randint(V, (3, 40) if not samples else (2, 24), generator=torch.Generator().manual_seed(0))
+    got = cache_teacher.teacher_targets(model, x, V, 10, samples=samples,
+                                        generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(input_ids=x).logits.flatten(0, 1)
+    want = fp32_targets_written_out(logits, 10, samples, torch.Generator().manual_seed(1))
+    assert torch.equal(got["topk_ids"].flatten(0, 1), want["topk_ids"])
+    assert torch.equal(want["topk_ids"], logits.double().log_softmax(-1).topk(10).indices)
+    for name in ("topk_logprobs", "entropy"):
+        torch.testing.assert_close(got[name].flatten(0, 1), want[name], rtol=0, atol=1e-6)
+    if samples:
+        assert torch.equal(got["sample_ids"].flatten(0, 1), want["sample_ids"])
+
+
+def test_the_gpus_compiled_slice_function_matches_eager(tiny_model):
+    """scale/teacher.py's compiled token_stats, what a GPU runs (here inductor on the CPU),
+    against token_stats eager on the same fp32 logits: a slice of a padded head's (a strided view)
+    with a masked entry. The same top-K ids, log-probs within 1e-6, entropies within 1e-6 relative
+    (the sums' order differs); either form (log p returned too or not) captured as one graph."""
+    from scale.teacher import _compiled, compiled_token_stats
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(96).view(2, 48)).logits.flatten(0, 1)
+    z = logits[:, :V - 64]  # padding rows past the tokenizer cut off: not contiguous
+    z[5, 7] = -float("inf")
+    want, _ = cache_teacher.token_stats(z, 10)
+    got, _ = compiled_token_stats(z, 10)
+    assert torch.equal(got["topk_ids"], want["topk_ids"])
+    torch.testing.assert_close(got["topk_logprobs"], want["topk_logprobs"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(got["entropy"], want["entropy"], rtol=1e-6, atol=1e-6)
+    assert _compiled().__wrapped__ is cache_teacher.token_stats  # the one function, not a copy
+    graph = torch.compile(cache_teacher.token_stats, backend="eager", fullgraph=True)
+    for with_logp in (False, True):  # each form one graph: all of it compiled, no break
+        torch.testing.assert_close(graph(z, 10, with_logp), cache_teacher.token_stats(z, 10, with_logp))
+
+
 def test_logits_beyond_the_tokenizer_are_sliced_off(tiny_model, corpus, tmp_path):
     """A checkpoint whose LM head has padding rows (vocabulary 49216 for a 49152-token tokenizer);
     the padding rows are made to win the softmax, so keeping them would change every target."""
