@@ -58,7 +58,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts live at the repo root
 import prune  # noqa: E402
-from cache_teacher import init_distributed, teacher_dtype, teacher_targets  # noqa: E402
+from cache_teacher import teacher_dtype, teacher_targets  # noqa: E402
+from runtime import init_distributed  # noqa: E402
 from scale.plan import activation_formula, flops_per_token, peak_flops  # noqa: E402
 
 # name: (config, sequence length, micro-batch in sequences)
