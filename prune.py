@@ -42,10 +42,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import kd
-from cache_teacher import (TEACHER_CACHE_DIR, E3Error, HelpFormatter, TeacherCache, barrier,
-                           build_cache, corpus_blocks, init_distributed, load_model,
-                           mean_over_ranks, model_fingerprint, print0, resolve_model, run_main,
-                           vocab_size)
+from cache_teacher import (TEACHER_CACHE_DIR, TeacherCache, build_cache, corpus_blocks,
+                           model_fingerprint, vocab_size)
+from runtime import (E3Error, HelpFormatter, barrier, init_distributed, load_model, mean_over_ranks,
+                     print0, resolve_model, run_main)
 from sampler import gumbel_noise, gumbel_topk, k_schedule, score_lr_schedule, tau_schedule
 from surgery import (LayerGates, LayerSearch, check_removable, decoder_layers, export_pruned,
                      keep_mask, kl_importance, protected_layers, remove_layers, serving_notes)
@@ -702,9 +702,13 @@ class Run:
 def main(argv=None):
     args = parse_args(argv)
     args.model = resolve_model(args.model)
-    if args.plan:  # --plan RANKS: from config.json alone, the model on the meta device
-        from scale.plan import print_plan
-        return print_plan(args)
+    if args.plan:  # --plan RANKS: from config.json (and a --cache's meta.json) alone, checked as a run
+        from scale.plan import cache_meta, meta_model, print_plan
+        resolve_args(args, args.plan, cache_meta(args.cache))
+        shape, bytes_a_token = meta_model(args)  # on the meta device
+        check_args(args, shape.config, len(decoder_layers(shape)), args.plan)
+        return print_plan(args, shape, bytes_a_token, registered(SEARCHES, args.search),
+                          schedule_line(args, args.plan))
 
     # ================================ SETUP ================================
     t0 = time.time()
@@ -860,7 +864,4 @@ def export(model, args, rank, kept, L, tok, search, S0):
 
 
 if __name__ == "__main__":
-    # run the module `prune`, the one a wing or a fork imports, not this `__main__` copy of it: one
-    # set of registries
-    import prune
-    run_main(prune.main)
+    run_main(main)

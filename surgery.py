@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from cache_teacher import E3Error, load_model, mean_over_ranks
+from runtime import E3Error, load_model, mean_over_ranks
 
 # where the families keep their decoder layers: Llama-likes, multimodal wrappers (Gemma-3), OPT,
 # GPT-2/Falcon/Bloom, GPT-NeoX, MPT

@@ -45,7 +45,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cache_teacher import CACHE_DIR, E3Error, print0, run_main  # noqa: E402
+from runtime import CACHE_DIR, E3Error, print0, run_main  # noqa: E402
 
 LLAMA_CPP_PACKAGE = "llama-cpp-python==0.3.36"
 # llama.cpp's arch name -> the fixed period its loader falls back to (load_swa_pattern: layer il is

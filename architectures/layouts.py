@@ -24,7 +24,7 @@ back with `write_rules`, in the family's own keys:
 Where the kept layers have no period, the list alone says it (transformers reads it): the serving
 engines that read the period instead are named by architectures/engines.py before the run.
 """
-from cache_teacher import E3Error
+from runtime import E3Error
 
 PREFIX_COUNTS = ("first_k_dense_replace", "num_dense_layers", "max_window_layers")
 

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 import torch
 
 import kd
-from cache_teacher import E3Error, print0
+from runtime import E3Error, print0
 from surgery import (INDEX_NAMES, LayerSearch, layer_configs, layers_owner, remove_layers,
                      top_k_layers)
 

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts live at the repo root
 import evaluate  # noqa: E402
 import prune  # noqa: E402
-from cache_teacher import (E3Error, compute_shards, corpus_blocks, default_model,  # noqa: E402
-                           load_model, run_main, teacher_targets, vocab_size)
+from cache_teacher import compute_shards, corpus_blocks, teacher_targets, vocab_size  # noqa: E402
+from runtime import E3Error, default_model, load_model, run_main  # noqa: E402
 from scale.fused_loss import FusedLoss  # noqa: E402
 from surgery import (LayerGates, LayerSearch, decoder_layers, export_pruned,  # noqa: E402
                      kl_importance, remove_layers)

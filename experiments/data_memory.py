@@ -26,8 +26,8 @@ DOC_CHARS = 2000
 
 def shakespeare_documents():
     sys.path.insert(0, str(ROOT))
-    import cache_teacher
-    for play in sorted(Path(cache_teacher.default_corpus()).rglob("*.md")):
+    import runtime
+    for play in sorted(Path(runtime.default_corpus()).rglob("*.md")):
         text = play.read_text(encoding="utf-8")
         yield from (text[i:i + DOC_CHARS] for i in range(0, len(text), DOC_CHARS))
 
@@ -49,12 +49,12 @@ def tiny_llama(path):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     sys.path.insert(0, str(ROOT))
-    import cache_teacher
+    import runtime
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=4)
     LlamaForCausalLM(cfg).save_pretrained(path)
-    AutoTokenizer.from_pretrained(cache_teacher.default_model()).save_pretrained(path)
+    AutoTokenizer.from_pretrained(runtime.default_model()).save_pretrained(path)
 
 
 FLOOR = "import sys, torch, transformers; transformers.AutoTokenizer.from_pretrained(sys.argv[1])"

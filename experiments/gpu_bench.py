@@ -69,7 +69,8 @@ from torch.distributed.fsdp import FSDPModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts live at the repo root
 import prune  # noqa: E402
-from cache_teacher import init_distributed, teacher_dtype, teacher_targets  # noqa: E402
+from cache_teacher import teacher_dtype, teacher_targets  # noqa: E402
+from runtime import init_distributed  # noqa: E402
 from scale.compile import compile_layers  # noqa: E402
 from scale.plan import chunk_sizes, flops_per_token, peak_flops, probe_bytes  # noqa: E402
 

@@ -57,8 +57,8 @@ def rank_main(argv):
     sys.path.insert(0, str(ROOT))
     import torch  # the import floor; and the profiler below
     import transformers  # noqa: F401
-    import cache_teacher
     import prune
+    import runtime
     from prune import Run
     rank = os.environ.get("RANK", "0")
     report = Path(os.environ["E3_MEMORY_REPORT"]) / f"rank{rank}.jsonl"
@@ -111,7 +111,7 @@ def rank_main(argv):
         return log(self, **event)
 
     prune.lr_schedule, Run.log = step_start, step_end
-    cache_teacher.run_main(lambda: prune.main(argv))
+    runtime.run_main(lambda: prune.main(argv))
 
 
 def random_llama(path, tied=True):
@@ -121,13 +121,13 @@ def random_llama(path, tied=True):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     sys.path.insert(0, str(ROOT))
-    import cache_teacher
+    import runtime
     cfg = LlamaConfig(vocab_size=49152, hidden_size=768, intermediate_size=2048,
                       num_hidden_layers=10, num_attention_heads=12, num_key_value_heads=12,
                       tie_word_embeddings=tied)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(path)
-    AutoTokenizer.from_pretrained(cache_teacher.default_model()).save_pretrained(path)
+    AutoTokenizer.from_pretrained(runtime.default_model()).save_pretrained(path)
 
 
 def measure(model, nproc, tmp, profile=False, extra_args=()):

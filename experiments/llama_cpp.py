@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import cache_teacher  # noqa: E402
 import evaluate  # noqa: E402
+import runtime  # noqa: E402
 from architectures import gguf as to_gguf  # noqa: E402
 from gemma import gemma3_270m  # noqa: E402  (experiments/, beside this script)
 from surgery import decoder_layers, export_pruned, remove_layers  # noqa: E402
@@ -134,13 +135,13 @@ def compare(tree, export, text, threads, outtype="f32", quantize=None, options=(
         f = to_gguf.convert(export, Path(tmp) / "m.gguf", outtype, quantize, tree)
         ppl, tokens = llama_ppl(tree, f, text, threads, tmp, options)
         bos = gguf_bos(f)
-    model = cache_teacher.load_model(str(export))[0].eval()
+    model = runtime.load_model(str(export))[0].eval()
     return hf_ppl(model, tokens, bos), ppl
 
 
 def prune_and_export(source, keep, out, tok):
     """`source` with only `keep`, exported as prune.py exports (no training)."""
-    model = cache_teacher.load_model(source)[0]
+    model = runtime.load_model(source)[0]
     L = len(decoder_layers(model))
     remove_layers(model, keep)
     export_pruned(source, {k: v.detach() for k, v in model.state_dict().items()}, keep, L, tok,
@@ -171,7 +172,7 @@ def tiny(family, folder, tok, layers=8, all_experts=False):
 
 
 def families(tree, text, threads, tmp, names=None, all_experts=False):
-    tok = cache_teacher.load_model(None, weights=False)[1]
+    tok = runtime.load_model(None, weights=False)[1]
     print("| family | transformers ppl, dense | llama.cpp | relative | pruned (layer 1 gone) "
           "| llama.cpp | relative |\n|---|---|---|---|---|---|---|", flush=True)
     for family in names or FAMILIES:
@@ -194,7 +195,7 @@ def families(tree, text, threads, tmp, names=None, all_experts=False):
 
 
 def real(tree, text, threads, tmp):
-    smol = cache_teacher.default_model()
+    smol = runtime.default_model()
     gemma = gemma3_270m()
     shortgpt = [i for i in range(30) if i not in (11, 12, 13, 14, 15, 16, 17, 18, 25, 26)]
     cases = [("SmolLM2-135M", smol, None), ("SmolLM2-135M 30 -> 20", smol, shortgpt),
@@ -203,7 +204,7 @@ def real(tree, text, threads, tmp):
              ("Gemma-3-270M 18 -> 17 (3 gone)", gemma, [i for i in range(18) if i != 3])]
     print("| model | transformers ppl | llama.cpp f32 | f16 | Q8_0 |\n|---|---|---|---|---|", flush=True)
     for name, source, keep in cases:
-        tok = cache_teacher.load_model(source, weights=False)[1]
+        tok = runtime.load_model(source, weights=False)[1]
         export = source if keep is None else prune_and_export(source, keep,
                                                               Path(tmp) / name.replace(" ", "_"), tok)
         cells = []
@@ -214,8 +215,8 @@ def real(tree, text, threads, tmp):
 
 
 def speed(tree, threads, tmp):
-    smol = cache_teacher.default_model()
-    tok = cache_teacher.load_model(smol, weights=False)[1]
+    smol = runtime.default_model()
+    tok = runtime.load_model(smol, weights=False)[1]
     keep = [i for i in range(30) if i not in (11, 12, 13, 14, 15, 16, 17, 18, 25, 26)]
     pruned = prune_and_export(smol, keep, Path(tmp) / "smol-20", tok)
     files = {name: to_gguf.convert(path, Path(tmp) / f"{name}.gguf", "f32", None, tree)
@@ -224,7 +225,7 @@ def speed(tree, threads, tmp):
                "-p", "256", "-n", "64", "-t", threads, "-r", "5", "-o", "json"])
     rows = {Path(r["model_filename"]).stem + ("-pp" if r["n_prompt"] else "-tg"): r["avg_ts"]
             for r in json.loads(out.stdout)}
-    dense, pruned_m = (cache_teacher.load_model(str(p))[0] for p in (smol, pruned))
+    dense, pruned_m = (runtime.load_model(str(p))[0] for p in (smol, pruned))
     (ld, hd), (lp, hp) = evaluate.linear_flops(dense), evaluate.linear_flops(pruned_m)
     ideal = {"pp": (256 * ld + hd) / (256 * lp + hp), "tg": (ld + hd) / (lp + hp)}
     for phase in ("pp", "tg"):
@@ -246,7 +247,7 @@ def main():
     tree = to_gguf.llama_cpp_tree(a.llama_cpp)
     for name in ("llama-perplexity", "llama-quantize", "llama-bench"):
         to_gguf.tool(tree, name)
-    tok = cache_teacher.load_model(None, weights=False)[1]
+    tok = runtime.load_model(None, weights=False)[1]
     val = cache_teacher.corpus_blocks(tok, None, 512, None)["val"]
     with tempfile.TemporaryDirectory() as tmp:
         text = Path(tmp) / "held-out.txt"  # the end of the packaged plays, never trained on

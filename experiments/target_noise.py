@@ -22,7 +22,8 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cache_teacher import DEFAULT_VAL_FRAC, default_model, load_model, vocab_size  # noqa: E402
+from cache_teacher import DEFAULT_VAL_FRAC, vocab_size  # noqa: E402
+from runtime import default_model, load_model  # noqa: E402
 from evaluate import eval_blocks, next_token_logprobs  # noqa: E402
 
 SAMPLED = (8, 12, 24)

@@ -15,10 +15,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RANK_MAIN = """import os, resource, sys
 sys.path.insert(0, sys.argv.pop(1))
-import cache_teacher
+import cache_teacher, runtime
 sys.argv = ["cache_teacher.py", *sys.argv[1:]]
 try:
-    cache_teacher.run_main(cache_teacher.main)
+    runtime.run_main(cache_teacher.main)
 finally:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     os.write(1, f"rank {os.environ.get('RANK', 0)}: peak {peak} MB\\n".encode())
@@ -29,13 +29,13 @@ def random_llama(path):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     sys.path.insert(0, str(ROOT))
-    import cache_teacher
+    import runtime
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=1024, intermediate_size=4096,
                       num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=16,
                       tie_word_embeddings=True)
     LlamaForCausalLM(cfg).save_pretrained(path)
-    AutoTokenizer.from_pretrained(cache_teacher.default_model()).save_pretrained(path)
+    AutoTokenizer.from_pretrained(runtime.default_model()).save_pretrained(path)
 
 
 def main():

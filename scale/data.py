@@ -14,14 +14,13 @@ import numpy as np
 import torch
 
 import kd
-from cache_teacher import E3Error
+from runtime import FORMATS, UNREAD, E3Error
 
 
 def documents(path, text_field, tok, assistant_only=False):
     """A --data file that is neither .txt nor .md: JSON lines, parquet, other text (any suffix but
-    the formats of data it cannot read, cache_teacher.UNREAD: read as text, they would train on
+    the formats of data it cannot read, runtime.UNREAD: read as text, they would train on
     markup or compressed bytes)."""
-    from cache_teacher import FORMATS, UNREAD
     if path.suffix in UNREAD + (".json",):  # (a folder's .json files, its metadata, are not read)
         raise E3Error(f"'{path}' is not in a format --data reads: {', '.join(FORMATS)}")
     if path.suffix in (".jsonl", ".parquet"):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import kd
 from architectures.logits import logit_transform, model_logits
-from cache_teacher import E3Error, all_gather
+from runtime import E3Error, all_gather
 from scale.vocab_parallel import VocabShard, assert_ids
 from surgery import decoder_layers, hidden_out
 

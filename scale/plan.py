@@ -90,6 +90,10 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
+
+from runtime import print0
+from scale.fsdp import meta_model
 from surgery import decoder_layers
 
 GB, MiB = 1e9, 2**20
@@ -318,7 +322,6 @@ def with_lora(args, model, ranks, card_bytes, measured=None):
 def card_memory():
     """(the device's name, its free bytes) where CUDA has a device (torch.cuda.mem_get_info: what
     this process can have, after its context and any other process), else None."""
-    import torch
     if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_name(), torch.cuda.mem_get_info()[0]
@@ -467,24 +470,26 @@ def state_line(args, ranks, model, L):
             f"{args.keep} layers)")
 
 
-def print_plan(args):
-    """prune.py --plan RANKS: the schedule, the state a rank holds, the search's own forward tokens
-    (evo, random), then plan()'s lines per GPU kind; the last line one JSON object."""
-    import prune
-    from scale.fsdp import meta_model
-    ranks, cache = args.plan, None
-    if args.cache:  # a given cache fixes seq-len and its targets, as for the run: its meta.json
-        meta = json.loads((Path(args.cache) / "meta.json").read_text())
-        cache = SimpleNamespace(seq_len=meta["seq_len"], topk=meta["topk"], samples=meta.get("samples"),
-                                targets=meta.get("targets", "topk"))
-    prune.resolve_args(args, ranks, cache)  # before the cache's bytes a token are counted
-    model, bytes_a_token = meta_model(args)
-    L = len(decoder_layers(model))
-    prune.check_args(args, model.config, L, ranks)
+def cache_meta(path):
+    """What a run reads of a given --cache (its seq-len and targets fix the run's), from its
+    meta.json alone: a plan hashes no shard and needs no tokenizer. None without one."""
+    if path is None:
+        return None
+    meta = json.loads((Path(path) / "meta.json").read_text())
+    return SimpleNamespace(seq_len=meta["seq_len"], topk=meta["topk"], samples=meta.get("samples"),
+                           targets=meta.get("targets", "topk"))
+
+
+def print_plan(args, model, bytes_a_token, search, schedule):
+    """prune.py --plan RANKS, given what its main resolved and checked: args (for RANKS ranks and
+    cache_meta's cache), the model on the meta device and a cache token's bytes (fsdp.meta_model),
+    the search's class and the schedule's line. Prints the schedule, the state a rank holds, the
+    search's own forward tokens (evo, random), then plan()'s lines per GPU kind; the last line one
+    JSON object."""
+    ranks, L = args.plan, len(decoder_layers(model))
     cache_bytes = bytes_a_token * args.steps * args.batch_size * args.seq_len
     lines, summary = plan(args, model, L, ranks, cache_bytes=cache_bytes)
-    search = prune.registered(prune.SEARCHES, args.search)
-    print("\n".join([prune.schedule_line(args, ranks) + f" | cache {cache_bytes / GB:.3g} GB on disk",
+    print("\n".join([schedule + f" | cache {cache_bytes / GB:.3g} GB on disk",
                      state_line(args, ranks, model, L),
                      *([f"plan: {search.plan(args, L)}"] if hasattr(search, "plan") else []),
                      *lines]))
@@ -494,8 +499,6 @@ def print_plan(args):
 def pick_for_card(args, world):
     """prune.py on a GPU with --micro-batch, --activation-checkpointing or (> 1 rank) --logit-chunk
     unset: choose()'s pick for this card's free memory (a value given is kept)."""
-    from cache_teacher import print0
-    from scale.fsdp import meta_model
     micro, mode, chunk, _ = choose(args, meta_model(args)[0], world, card_memory()[1])
     if micro is None:
         print0("warning: the plan finds no micro-batch that fits this GPU (prune.py --plan): "

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from architectures.logits import model_logits
-from cache_teacher import E3Error
+from runtime import E3Error
 from scale.fused_loss import check_logits_path, last_layer_output
 from scale.lora import lora_targets
 from surgery import (LayerGates, check_removable, decoder_layers, export_pruned, kl_importance,

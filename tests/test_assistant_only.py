@@ -10,7 +10,8 @@ import torch
 
 import cache_teacher as data
 import kd
-from cache_teacher import E3Error, TeacherCache, build_cache
+from cache_teacher import TeacherCache, build_cache
+from runtime import E3Error
 from scale.fused_loss import head_kd_loss, next_token_targets
 from test_data import sentences
 

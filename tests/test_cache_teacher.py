@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import cache_teacher
+import runtime
 import surgery
 from cache_teacher import TeacherCache, build_cache
 from conftest import topk_kd_loss as reference_kd_loss, torchrun_failure
@@ -25,7 +26,7 @@ V = 49152
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """Three short ASCII documents (Shakespeare) in a .jsonl file whose text field is 'body'."""
-    plays = sorted(Path(cache_teacher.default_corpus()).rglob("*.md"))[:3]
+    plays = sorted(Path(runtime.default_corpus()).rglob("*.md"))[:3]
     docs = [p.read_text()[:1200].encode("ascii", "ignore").decode() for p in plays]
     path = tmp_path_factory.mktemp("corpus") / "plays.jsonl"
     path.write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
@@ -126,18 +127,18 @@ def test_the_gpus_compiled_slice_function_matches_eager(tiny_model):
     against token_stats eager on the same fp32 logits: a slice of a padded head's (a strided view)
     with a masked entry. The same top-K ids, log-probs within 1e-6, entropies within 1e-6 relative
     (the sums' order differs); either form (log p returned too or not) captured as one graph."""
-    from scale.teacher import _compiled, compiled_token_stats
+    from scale.teacher import compiled
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     with torch.no_grad():
         logits = model(input_ids=torch.arange(96).view(2, 48)).logits.flatten(0, 1)
     z = logits[:, :V - 64]  # padding rows past the tokenizer cut off: not contiguous
     z[5, 7] = -float("inf")
     want, _ = cache_teacher.token_stats(z, 10)
-    got, _ = compiled_token_stats(z, 10)
+    got, _ = compiled(cache_teacher.token_stats)(z, 10)
     assert torch.equal(got["topk_ids"], want["topk_ids"])
     torch.testing.assert_close(got["topk_logprobs"], want["topk_logprobs"], rtol=0, atol=1e-6)
     torch.testing.assert_close(got["entropy"], want["entropy"], rtol=1e-6, atol=1e-6)
-    assert _compiled().__wrapped__ is cache_teacher.token_stats  # the one function, not a copy
+    assert compiled(cache_teacher.token_stats).__wrapped__ is cache_teacher.token_stats  # the one function, not a copy
     graph = torch.compile(cache_teacher.token_stats, backend="eager", fullgraph=True)
     for with_logp in (False, True):  # each form one graph: all of it compiled, no break
         torch.testing.assert_close(graph(z, 10, with_logp), cache_teacher.token_stats(z, 10, with_logp))
@@ -198,15 +199,15 @@ def test_complete_cache_is_skipped_without_loading_the_teacher(ref, monkeypatch)
 
 
 def test_a_different_cache_in_out_is_refused(ref):
-    with pytest.raises(cache_teacher.E3Error, match="another topk"):
+    with pytest.raises(runtime.E3Error, match="another topk"):
         build_cache(**{**ref, "topk": 5})
 
 
 def test_cache_refuses_other_k_or_seq_len(ref):
     tok = AutoTokenizer.from_pretrained(ref["model_name"])
-    with pytest.raises(cache_teacher.E3Error, match="--topk 10, not 20"):
+    with pytest.raises(runtime.E3Error, match="--topk 10, not 20"):
         TeacherCache(ref["out"], tok, topk=20)
-    with pytest.raises(cache_teacher.E3Error, match="--seq-len 16, not 32"):
+    with pytest.raises(runtime.E3Error, match="--seq-len 16, not 32"):
         TeacherCache(ref["out"], tok, seq_len=32)
 
 
@@ -215,7 +216,7 @@ def test_truncated_shard_is_refused_then_recomputed(ref, tmp_path):
     shard = out / "train-00002.safetensors"
     shard.write_bytes(shard.read_bytes()[:-100])
     tok = AutoTokenizer.from_pretrained(ref["model_name"])
-    with pytest.raises(cache_teacher.E3Error, match="truncated"):
+    with pytest.raises(runtime.E3Error, match="truncated"):
         TeacherCache(out, tok)
     build_cache(**{**ref, "out": str(out)})  # resumes: recomputes the damaged shard only
     assert shard_listing(out) == shard_listing(ref["out"])
@@ -254,7 +255,7 @@ def test_two_ranks_give_the_same_cache_as_one(ref, tmp_path):
 
 SHARDED_TEACHER = """
 import os, sys
-import cache_teacher, transformers
+import cache_teacher, runtime, transformers
 rank, real_load, weights = int(os.environ["RANK"]), cache_teacher.load_model, []
 def recording_load(*a, **kw):
     weights.append(kw.get("weights", True))
@@ -263,7 +264,7 @@ cache_teacher.load_model = recording_load
 if rank > 0:  # from_pretrained is what reads a checkpoint's weights: no rank but 0 may call it
     transformers.AutoModelForCausalLM.from_pretrained = lambda *a, **kw: sys.exit("rank 1 read the weights")
 sys.argv = ["cache_teacher.py", *sys.argv[1:]]
-cache_teacher.run_main(cache_teacher.main)
+runtime.run_main(cache_teacher.main)
 os.write(1, f"weights loaded {rank} {' '.join(map(str, weights))}\\n".encode())  # one write, one line
 """
 
@@ -296,15 +297,15 @@ def test_a_sharded_teacher_gives_the_one_process_cache(ref, tmp_path):
 OPEN_ON_EACH_RANK = """
 import os, sys
 say = lambda line: os.write(1, (line + "\\n").encode())  # one write: the ranks' lines never interleave
-import cache_teacher, torch
+import cache_teacher, runtime, torch
 from transformers import AutoTokenizer
 hashed, real_sha256 = [], cache_teacher._sha256
 cache_teacher._sha256 = lambda f: hashed.append(f.name) or real_sha256(f)
 def main():
-    cache_teacher.init_distributed()
+    runtime.init_distributed()
     cache_teacher.TeacherCache(sys.argv[1], AutoTokenizer.from_pretrained(sys.argv[2]))
     say(f"hashed {torch.distributed.get_rank()} {' '.join(hashed)}")
-cache_teacher.run_main(main)
+runtime.run_main(main)
 """
 
 
@@ -335,14 +336,14 @@ def test_two_ranks_split_the_shard_check_and_both_refuse_a_corrupt_one(ref, tmp_
 SLOW_WRITER = """
 import os, sys, time
 sys.path.insert(0, {repo!r})
-import cache_teacher
+import cache_teacher, runtime
 rename = os.replace
 def slow_rename(src, dst):
     rename(src, dst)
     if str(dst).endswith(".safetensors"):
         time.sleep(2)
 cache_teacher.os.replace = slow_rename
-cache_teacher.run_main(cache_teacher.main)
+runtime.run_main(cache_teacher.main)
 """
 
 
@@ -382,7 +383,7 @@ def test_a_teacher_saved_again_at_its_path_is_another_teacher(ref, tmp_path):
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(2)
     model.save_pretrained(teacher)
-    with pytest.raises(cache_teacher.E3Error, match="another model"):
+    with pytest.raises(runtime.E3Error, match="another model"):
         build_cache(**args)
 
 
@@ -417,7 +418,7 @@ def test_bad_input_ends_with_one_error_line(case, ref, tmp_path):
         else:
             tok = _tokenizer_variant(tok, tmp_path / "tok", lambda t: setattr(t, "eos_token", "<|im_start|>"))
             expect = "another tokenizer"
-        code = ("import sys; from transformers import AutoTokenizer; from cache_teacher import run_main; "
+        code = ("import sys; from transformers import AutoTokenizer; from runtime import run_main; "
                 "from cache_teacher import TeacherCache; "
                 "run_main(lambda: TeacherCache(sys.argv[1], AutoTokenizer.from_pretrained(sys.argv[2])))")
         cmd = [sys.executable, "-c", code, str(cache), tok]
@@ -431,7 +432,7 @@ def test_fp16_logprobs_change_the_kd_loss_negligibly():
     """The measurement behind storing log-probabilities as fp16: on the default model and corpus, with a
     student that lost 6 of its 30 layers, the kd and akd losses against fp16-rounded targets are within
     1e-3 (relative) of those against the fp32 targets."""
-    model, tok = cache_teacher.load_model(None)
+    model, tok = runtime.load_model(None)
     ids = cache_teacher.corpus_blocks(tok, None, 128, 12 * 128)["train"][10:12]
     vocab = cache_teacher.vocab_size(tok)
     targets = cache_teacher.teacher_targets(model, ids, vocab, 10)
@@ -457,9 +458,9 @@ def test_weights_the_config_does_not_build_are_refused(make_tiny, tmp_path):
     shutil.copytree(src, bad)
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 2}))
-    cache_teacher.load_model(str(src))  # the checkpoint as saved loads
-    with pytest.raises(cache_teacher.E3Error, match="model.layers.2"):
-        cache_teacher.load_model(str(bad))
+    runtime.load_model(str(src))  # the checkpoint as saved loads
+    with pytest.raises(runtime.E3Error, match="model.layers.2"):
+        runtime.load_model(str(bad))
 
 
 def test_gpu_ranks_can_reduce_cpu_tensors(monkeypatch):
@@ -474,7 +475,7 @@ def test_gpu_ranks_can_reduce_cpu_tensors(monkeypatch):
     monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend: got.update(b=backend))
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 1)
-    cache_teacher.init_distributed()
+    runtime.init_distributed()
     capability = torch.distributed.Backend.backend_capability
     pairs = [p.split(":") for p in got["b"].split(",")] if ":" in got["b"] else \
         [(device, got["b"]) for device in capability[got["b"]]]

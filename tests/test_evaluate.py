@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-import cache_teacher
+import runtime
 import evaluate
 import surgery
 
@@ -278,7 +278,7 @@ def test_every_model_is_checked_against_the_teacher_it_reuses(assets, tmp_path):
     common = ["--teacher", str(assets["teacher"]), "--data", str(assets["text"]), "--val-frac", "1",
               "--seq-len", "32", "--max-tokens", "64", "--no-speed", "--no-figures", "--out", str(tmp_path / "o")]
     for models in ([other], [assets["teacher"], other]):
-        with pytest.raises(cache_teacher.E3Error, match="another tokenizer"):
+        with pytest.raises(runtime.E3Error, match="another tokenizer"):
             evaluate.main(["--model", *map(str, models)] + common)
 
 
@@ -302,7 +302,7 @@ def test_errors_are_one_line(assets, tmp_path, capsys):
                          (["--model", str(assets["teacher"]), "--data", "/nowhere.txt"], "--data"),
                          (["--gen-len", "1"], "--gen-len")):
         with pytest.raises(SystemExit) as e:
-            cache_teacher.run_main(lambda: evaluate.main(argv + ["--out", str(tmp_path / "o")]))
+            runtime.run_main(lambda: evaluate.main(argv + ["--out", str(tmp_path / "o")]))
         err = capsys.readouterr().err  # may hold transformers' loading progress bars before the error
         assert e.value.code == 2 and "Traceback" not in err
         assert err.strip().splitlines()[-1].startswith("error:") and err.count("error:") == 1 and needle in err
@@ -311,7 +311,7 @@ def test_errors_are_one_line(assets, tmp_path, capsys):
 def test_optional_packages_missing(assets, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now raises ImportError
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(cache_teacher.E3Error, match="pip install lm-eval"):
+    with pytest.raises(runtime.E3Error, match="pip install lm-eval"):
         evaluate.run_tasks(assets["student_model"], None, ["shakespeare_mc"])
     assert evaluate.figures(assets["run"] / "log.jsonl", None, str(tmp_path / "x")) == []
     assert "pip install matplotlib" in capsys.readouterr().out

@@ -144,7 +144,7 @@ def test_fused_loss_refuses_what_kd_py_does_not_compute(make_tiny, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     import prune
-    from cache_teacher import E3Error
+    from runtime import E3Error
     model = AutoModelForCausalLM.from_pretrained(make_tiny("llama", 3), dtype=torch.float32)
     V = 49152
     g = torch.Generator().manual_seed(0)

@@ -19,11 +19,11 @@ import gc, os, sys, weakref
 from types import SimpleNamespace
 import torch
 sys.path.insert(0, sys.argv[2])
-import cache_teacher, prune
+import prune, runtime
 from scale.fsdp import parallelize
 from surgery import LayerSearch, decoder_layers
-rank, world, device = cache_teacher.init_distributed()
-model, _ = cache_teacher.load_model(sys.argv[1], weights=rank == 0)
+rank, world, device = runtime.init_distributed()
+model, _ = runtime.load_model(sys.argv[1], weights=rank == 0)
 model = parallelize(model, device).train()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 ids = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(rank))
@@ -242,16 +242,16 @@ import torch
 from torch.distributed.tensor import DTensor
 sys.path.insert(0, sys.argv[2])
 sys.path.insert(0, sys.argv[2] + "/tests")
-import cache_teacher, scale.fsdp
+import runtime, scale.fsdp
 from host_syncs import HostSyncs
 scale.fsdp.GLOO_CHUNK_BYTES = 4096  # every unit's collectives in many pieces, the last one short
-rank, world, device = cache_teacher.init_distributed()
+rank, world, device = runtime.init_distributed()
 ids = [torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(10 * r + m)) for r in range(world)
        for m in range(2)]
-ref, _ = cache_teacher.load_model(sys.argv[1])  # plain autograd, one process: the mean over the ranks' batches
+ref, _ = runtime.load_model(sys.argv[1])  # plain autograd, one process: the mean over the ranks' batches
 for x in ids:
     (ref(input_ids=x, labels=x).loss / world).backward()
-model, _ = cache_teacher.load_model(sys.argv[1], weights=rank == 0)
+model, _ = runtime.load_model(sys.argv[1], weights=rank == 0)
 if sys.argv[4] != "none":  # activation checkpointing and compile, then FSDP2
     # with it a forward has no KV cache, and transformers' check for packed sequences in the position ids
     # then reads a value back once a forward: transformers' sync, not scale/'s, left out of the count
@@ -334,8 +334,8 @@ import gc, os, sys
 import torch
 import torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-import cache_teacher, scale.fsdp as parallel
-rank, world, device = cache_teacher.init_distributed()
+import runtime, scale.fsdp as parallel
+rank, world, device = runtime.init_distributed()
 def rss(field):
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field)) / 1024
 def extra_mb(fn):  # peak resident memory above what was resident when fn started
@@ -439,10 +439,10 @@ import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 sys.path.insert(0, sys.argv[1])
 sys.path.insert(0, sys.argv[1] + "/tests")
-import cache_teacher
+import runtime
 from host_syncs import HostSyncs
 from scale.fused_loss import head_kd_loss
-rank, world, device = cache_teacher.init_distributed()
+rank, world, device = runtime.init_distributed()
 mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
 torch.manual_seed(5)  # the same draws on every rank: each rank's tokens and the whole W, b
 # 2 ranks: 31 rows, 16 + 15, the last 2 past the vocabulary; 4 ranks: 5 rows, 2 + 2 + 1 + 0

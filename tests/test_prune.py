@@ -22,8 +22,8 @@ L, K = 6, 4
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """One Shakespeare play as a .txt file: a small, real corpus."""
-    import cache_teacher
-    plays = sorted(Path(cache_teacher.default_corpus()).rglob("*.md"))
+    import runtime
+    plays = sorted(Path(runtime.default_corpus()).rglob("*.md"))
     path = tmp_path_factory.mktemp("corpus") / "play.txt"
     path.write_text(plays[0].read_text()[:60_000])
     return str(path)
@@ -313,10 +313,10 @@ def tree_state(path):
 def one_line_error(argv, capsys, *words):
     """prune.py's command line run in this process (run_main, as `python prune.py` does): exit status 2
     and one `error:` line holding `words`, no traceback."""
-    import cache_teacher
+    import runtime
     import prune
     with pytest.raises(SystemExit) as e:
-        cache_teacher.run_main(lambda: prune.main(argv))
+        runtime.run_main(lambda: prune.main(argv))
     err = capsys.readouterr().err
     assert e.value.code == 2 and "Traceback" not in err, err[-2000:]
     lines = [line for line in err.splitlines() if line.startswith("error:")]
@@ -467,7 +467,7 @@ def test_masks_per_step_gives_each_draw_its_share_of_the_micro_batches(make_tiny
     """--masks-per-step 2 with 4 micro-batches a step: micro-batches 0 and 2 run one mask, 1 and 3 another,
     each a valid k'_t subset with the protected layers on; the first draw is the draw of the one-mask run
     (the generator's stream is unchanged). Scores all equal (--score-scale 0): the draws differ by chance alone."""
-    import cache_teacher
+    import runtime
     import prune
     import surgery
     monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
@@ -509,7 +509,7 @@ def test_masks_per_step_gives_each_draw_its_share_of_the_micro_batches(make_tiny
         assert [e["mask"] for e in logged] == [step[0] for step in runs[n]]
         assert [e.get("masks") for e in logged] == ([None] * 4 if n == 1 else [step[:2] for step in runs[n]])
 
-    with pytest.raises(cache_teacher.E3Error, match="masks-per-step"):  # 4 micro-batches do not split in 3
+    with pytest.raises(runtime.E3Error, match="masks-per-step"):  # 4 micro-batches do not split in 3
         prune.main(tiny_args(model, corpus, tmp_path / "n3", "--masks-per-step", "3"))
 
 
@@ -545,8 +545,8 @@ def test_score_scale_lr_schedule_search_loss_and_calib_data(single_run, make_tin
 
     # another text for the calibration only: the importance of a run trained on that text
     other = tmp_path / "other.txt"
-    import cache_teacher
-    plays = sorted(Path(cache_teacher.default_corpus()).rglob("*.md"))
+    import runtime
+    plays = sorted(Path(runtime.default_corpus()).rglob("*.md"))
     other.write_text(plays[1].read_text()[:60_000])
     short = ("--steps", "1", "--search", "none")
     prune.main(tiny_args(model, corpus, tmp_path / "calib", *short, "--calib-data", str(other)))
@@ -666,7 +666,7 @@ def test_a_run_resumes_whatever_its_micro_batch_checkpointing_or_compile(tmp_pat
     checkpointing or compile, and a GPU's plan picks the first two per card: a run folder resumes
     with other values, also one written before --compile existed; a changed lr is another run."""
     import prune
-    from cache_teacher import E3Error
+    from runtime import E3Error
     base = ["--model", "m", "--keep", "2", "--micro-batch", "2"]
     prune.Run(tmp_path / "r", prune.run_identity(prune.parse_args(base)), 0, False).create()
     run_json = tmp_path / "r" / "run.json"
@@ -682,7 +682,7 @@ def test_a_tokenizer_with_more_ids_than_the_embedding_is_refused_before_any_work
     """Every id a batch holds comes from the tokenizer: checked once against the embedding's rows,
     so that no batch needs a host-side check (a GPU would stop at a device-side assert instead)."""
     import prune
-    from cache_teacher import E3Error
+    from runtime import E3Error
     from conftest import tiny_config
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_config(tiny_config("llama", 4, vocab=1000)).save_pretrained(tmp_path / "m")

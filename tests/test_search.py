@@ -402,12 +402,12 @@ def test_evo_run_killed_and_resumed_reports_its_search_tokens_and_plans_them(pla
 EVO_ON_RANKS = """
 import json, sys
 import torch
-import baselines.evo as baselines, cache_teacher
+import baselines.evo as baselines, runtime
 from cache_teacher import TeacherCache
 from prune import plain_losses
 from scale.fsdp import parallelize
-rank, world, device = cache_teacher.init_distributed()
-model, tok = cache_teacher.load_model(sys.argv[1], "cpu", torch.float32, weights=rank == 0)
+rank, world, device = runtime.init_distributed()
+model, tok = runtime.load_model(sys.argv[1], "cpu", torch.float32, weights=rank == 0)
 model = parallelize(model, device)  # rank 0's weights, sent as shards
 score = baselines.cache_score(model, TeacherCache(sys.argv[2], tok), plain_losses(49152), 2)
 out = baselines.evo_search(score, 10, 8, [0, 9], torch.Generator().manual_seed(0), generations=4,

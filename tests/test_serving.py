@@ -229,7 +229,7 @@ def test_convert_warns_whatever_pruning_json_names_as_the_source(source_model, t
     """architectures/gguf.py's convert prints the serving notes prune.py printed, read from the export
     alone: pruning.json's source_model, as the user typed it, may be a hub id or a relative path."""
     from architectures.gguf import convert
-    from cache_teacher import E3Error
+    from runtime import E3Error
     keep = [0, 2, 3, 5]  # SmolLM3: no RoPE on every 4th layer; layers 2 and 3 move off the period
     out = export(tmp_path, tokenizer, "smollm3", 6, keep)
     expected = serving_notes(AutoConfig.from_pretrained(tmp_path / "src"), keep)

@@ -155,7 +155,7 @@ def test_block_influence_matches_hidden_states(make_tiny):
 
 def test_architecture_without_decoder_layer_list_is_refused():
     from transformers import AutoConfig
-    from cache_teacher import E3Error
+    from runtime import E3Error
     cfg = AutoConfig.for_model("mamba", vocab_size=64, hidden_size=16, num_hidden_layers=2, state_size=4)
     model = AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(E3Error, match="decoder-layer list"):
