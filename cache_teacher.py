@@ -47,7 +47,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from runtime import (CACHE_DIR, FORMATS, UNREAD, E3Error, HelpFormatter, all_gather, default_corpus,
-                     init_distributed, load_model, print0, rank_and_world, resolve_model, run_main)
+                     init_distributed, load_model, print0, rank_and_world, run_main)
 
 # beside the converted demo model (runtime.CACHE_DIR): token files and prune.py's teacher caches
 TOKEN_DIR = Path(os.environ.get("E3_TOKEN_CACHE", CACHE_DIR / "tokens"))
@@ -60,6 +60,13 @@ DEFAULT_VAL_FRAC = 0.05
 MIN_VAL_BLOCKS = 4  # the held-out end is at least this many blocks of seq_len + 1 tokens
 READ_WHOLE_TOKENS = 1 << 24  # corpora up to this many tokens are always read whole
 BATCH_CHARS = 1 << 20  # text tokenised per call: large enough for the tokenizer's batch speed
+
+
+def resolve_model(name):  # --model, or without it the packaged demo's (demo.py: converted once)
+    if name in (None, "", "default"):
+        from demo import default_model
+        return default_model()
+    return name
 
 
 def model_fingerprint(model_name):
@@ -471,9 +478,9 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
     if (world > 1 or logit_chunk) and device.type == "cpu":  # the scale wing: freed memory back
         from scale.fsdp import release_freed_memory
         release_freed_memory()
-    out = Path(out)
+    out, model_name = Path(out), resolve_model(model_name)
     try:  # the tokenizer alone tells whether there is work: the teacher loads only if there is
-        tok = AutoTokenizer.from_pretrained(resolve_model(model_name))
+        tok = AutoTokenizer.from_pretrained(model_name)
     except (OSError, ValueError):
         load_model(model_name)  # raises the one-line error for a missing or unloadable model
         raise

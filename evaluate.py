@@ -50,9 +50,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cache_teacher import (DEFAULT_VAL_FRAC, Blocks, corpus_blocks, token_file, tokenizer_fingerprint,
-                           vocab_size)
-from runtime import E3Error, HelpFormatter, load_model, print0, resolve_model, run_main
+from cache_teacher import (DEFAULT_VAL_FRAC, Blocks, corpus_blocks, resolve_model, token_file,
+                           tokenizer_fingerprint, vocab_size)
+from runtime import E3Error, HelpFormatter, load_model, print0, run_main
 from surgery import decoder_layers
 
 TASKS_DIR = Path(__file__).resolve().parent / "experiments" / "tasks"

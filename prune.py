@@ -43,9 +43,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import kd
 from cache_teacher import (TEACHER_CACHE_DIR, TeacherCache, build_cache, corpus_blocks,
-                           model_fingerprint, vocab_size)
+                           model_fingerprint, resolve_model, vocab_size)
 from runtime import (E3Error, HelpFormatter, barrier, init_distributed, load_model, mean_over_ranks,
-                     print0, resolve_model, run_main)
+                     print0, run_main)
 from sampler import gumbel_noise, gumbel_topk, k_schedule, score_lr_schedule, tau_schedule
 from surgery import (LayerGates, LayerSearch, check_removable, decoder_layers, export_pruned,
                      keep_mask, kl_importance, protected_layers, remove_layers, serving_notes)
@@ -109,8 +109,7 @@ def parse_args(argv=None):
     g.add_argument("--score-scale", type=float, default=1.0, help="S_0 = c x the importance")
     g.add_argument("--score-lr-schedule", choices=["constant", "linear"], default="constant",
                    help="linear: --score-lr down to --score-lr / T_M")
-    g.add_argument("--search-loss", choices=sorted(kd.LOSSES),
-                   help="the loss of the search steps, a name in kd.LOSSES (default: --loss)")
+    g.add_argument("--search-loss", choices=sorted(kd.LOSSES), help="the search steps' (default: --loss)")
     g.add_argument("--search-data", help="the search's own text and cache (default: --data)")
     g.add_argument("--search-batch-size", type=int, help="sequences a search step (default: --batch-size)")
     g.add_argument("--evo-generations", type=int, help="evo: generations (default: r (L - r) / 1.5)")
@@ -121,12 +120,9 @@ def parse_args(argv=None):
     g.add_argument("--loss", choices=sorted(kd.LOSSES), default="akd", help="akd: eq. 13 (the "
                    "paper's); kd: eq. 12; sft: next-token cross-entropy")
     g.add_argument("--steps", type=int, help="optimizer steps T (default: from --tokens)")
-    g.add_argument("--tokens", type=int, default=PAPER["tokens"],
-                   help="token budget: T = tokens / (batch-size x seq-len)")
-    g.add_argument("--batch-size", type=int, default=PAPER["batch_size"],
-                   help="GLOBAL batch in sequences, split over ranks and micro-batches")
-    g.add_argument("--micro-batch", type=int, help="sequences a forward on a rank (default: "
-                   "--plan's pick on a GPU; 1)")
+    g.add_argument("--tokens", type=int, default=PAPER["tokens"], help="T = tokens / (batch-size x seq-len)")
+    g.add_argument("--batch-size", type=int, default=PAPER["batch_size"], help="GLOBAL batch, sequences")
+    g.add_argument("--micro-batch", type=int, help="sequences a forward on a rank (GPU: the plan's; 1)")
     g.add_argument("--seq-len", type=int, help=f"tokens per sequence (default: a given --cache's, "
                    f"else {PAPER['seq_len']})")
     g.add_argument("--topk", type=int, default=PAPER["topk"], help="teacher top-K of a new cache")
@@ -153,13 +149,10 @@ def parse_args(argv=None):
                    "(B, T, V) logits; 0: kd.py's (default: > 1 rank, the plan's pick; on a CPU 256; else 0)")
     g.add_argument("--plan", type=int, metavar="RANKS", help="print the plan for RANKS GPUs, exit")
     g = p.add_argument_group("run folder")
-    g.add_argument("--eval-every", type=steps_or_fraction, default=PAPER["eval_every"],
-                   help="validate every N steps (or T/n)")
-    g.add_argument("--ckpt-every", type=steps_or_fraction, default=PAPER["ckpt_every"],
-                   help="checkpoint every N steps (or T/n)")
+    g.add_argument("--eval-every", type=steps_or_fraction, default=PAPER["eval_every"], help="N or T/n")
+    g.add_argument("--ckpt-every", type=steps_or_fraction, default=PAPER["ckpt_every"], help="N or T/n")
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-    g.add_argument("--until", help="stop after this step ('cut': T_M), checkpointed, nothing "
-                   "exported; the cache covers the steps run; --resume without it goes on to T")
+    g.add_argument("--until", help="stop after step N or 'cut' (T_M), checkpointed (--resume goes on)")
     if p.parse_known_args(argv)[0].model is None:
         # the demo preset; flags given on the line still win (seq-len: below, unless a cache sets it)
         p.set_defaults(**{k: v for k, v in DEMO.items() if k != "seq_len"})
@@ -835,16 +828,12 @@ def run_info(args, step, search, S0):
 
 def stopped(args, run, step, kept, L, search, S0, summary):
     """--until: OUT/stopped.json, pruning.json's fields at this step (the kept set: the cut's, or the
-    one it would make now) with the validations and the search's score trajectory from log.jsonl."""
-    log = [json.loads(e) for e in (Path(args.out) / "log.jsonl").read_text().splitlines()] \
-        if run.rank == 0 else []
-    info = {**run_info(args, step, search, S0), "layers_before": L, "kept_layers": kept, **summary,
-            "trajectory": [e["scores"] for e in log if e["event"] == "search"]}
+    one it would make now) and the validations; the score trajectory is log.jsonl's search events."""
     if run.rank == 0:
+        info = {**run_info(args, step, search, S0), "layers_before": L, "kept_layers": kept, **summary}
         (Path(args.out) / "stopped.json").write_text(json.dumps(info, indent=1) + "\n")
     print0(f"stopped at step {step} of {args.steps} (--until): kept {kept}; {args.out}/stopped.json; "
            f"--resume without --until goes on to T")
-    return info
 
 
 def export(model, args, rank, kept, L, tok, search, S0):

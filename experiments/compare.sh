@@ -46,7 +46,7 @@ R=${RUNS:-runs/compare}
 run() { name=$1; shift; [ -f "$R/$name/model/pruning.json" ] || python prune.py --keep 20 --out "$R/$name" --resume "$@"; }
 # evaluate.py needs --model to name the run folders; the packaged model is spelled out for prune.py so
 # that every run is the same model whatever the defaults become.
-M=$(python -c "import runtime; print(runtime.default_model())")
+M=$(python -c "import demo; print(demo.default_model())")
 P="--model $M --seq-len 128 --batch-size 8 --micro-batch 4 --tokens 81920 --warmup 4 --n-calib 16 --eval-every 10 --ckpt-every 1000"
 # The methods, one definition for every mode. The searches the reviewers asked for use the demo's
 # settings, spelled out (with --model given prune.py would take EvoPress's own: 32 children and
@@ -178,7 +178,7 @@ print({c: round(v['ppl'], 2) for c, v in r['corpora'].items()})" $out)"
     mkdir -p $R
     for model in ${MODELS:-smollm2 gemma3}; do
       if [ $model = smollm2 ]; then
-        MP=${SMOLLM2:-$(python -c "import runtime; print(runtime.default_model())")}
+        MP=${SMOLLM2:-$(python -c "import demo; print(demo.default_model())")}
         keep=20 micro=${MICRO:-32} X=-paper O=$O0 chunk=0
       else  # 262K-entry vocabulary: smaller micro-batches, the cache's logits in chunks
         MP=${GEMMA3:-$(python experiments/gemma.py)}

@@ -49,12 +49,12 @@ def tiny_llama(path):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     sys.path.insert(0, str(ROOT))
-    import runtime
+    import demo
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=4)
     LlamaForCausalLM(cfg).save_pretrained(path)
-    AutoTokenizer.from_pretrained(runtime.default_model()).save_pretrained(path)
+    AutoTokenizer.from_pretrained(demo.default_model()).save_pretrained(path)
 
 
 FLOOR = "import sys, torch, transformers; transformers.AutoTokenizer.from_pretrained(sys.argv[1])"

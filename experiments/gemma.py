@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from runtime import CACHE_DIR, E3Error, _package_dir, dequantised  # noqa: E402
+from demo import dequantised  # noqa: E402
+from runtime import CACHE_DIR, E3Error, _package_dir  # noqa: E402
 
 GEMMA_GGUF = "gemma-3-270m-q4_k_m.gguf"  # the paper-regime grid's second model (compare.sh)
 GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"

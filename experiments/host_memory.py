@@ -121,13 +121,13 @@ def random_llama(path, tied=True):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     sys.path.insert(0, str(ROOT))
-    import runtime
+    import demo
     cfg = LlamaConfig(vocab_size=49152, hidden_size=768, intermediate_size=2048,
                       num_hidden_layers=10, num_attention_heads=12, num_key_value_heads=12,
                       tie_word_embeddings=tied)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(path)
-    AutoTokenizer.from_pretrained(runtime.default_model()).save_pretrained(path)
+    AutoTokenizer.from_pretrained(demo.default_model()).save_pretrained(path)
 
 
 def measure(model, nproc, tmp, profile=False, extra_args=()):

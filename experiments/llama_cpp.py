@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import cache_teacher  # noqa: E402
 import evaluate  # noqa: E402
+import demo  # noqa: E402
 import runtime  # noqa: E402
 from architectures import gguf as to_gguf  # noqa: E402
 from gemma import gemma3_270m  # noqa: E402  (experiments/, beside this script)
@@ -172,7 +173,7 @@ def tiny(family, folder, tok, layers=8, all_experts=False):
 
 
 def families(tree, text, threads, tmp, names=None, all_experts=False):
-    tok = runtime.load_model(None, weights=False)[1]
+    tok = runtime.load_model(demo.default_model(), weights=False)[1]
     print("| family | transformers ppl, dense | llama.cpp | relative | pruned (layer 1 gone) "
           "| llama.cpp | relative |\n|---|---|---|---|---|---|---|", flush=True)
     for family in names or FAMILIES:
@@ -195,7 +196,7 @@ def families(tree, text, threads, tmp, names=None, all_experts=False):
 
 
 def real(tree, text, threads, tmp):
-    smol = runtime.default_model()
+    smol = demo.default_model()
     gemma = gemma3_270m()
     shortgpt = [i for i in range(30) if i not in (11, 12, 13, 14, 15, 16, 17, 18, 25, 26)]
     cases = [("SmolLM2-135M", smol, None), ("SmolLM2-135M 30 -> 20", smol, shortgpt),
@@ -215,7 +216,7 @@ def real(tree, text, threads, tmp):
 
 
 def speed(tree, threads, tmp):
-    smol = runtime.default_model()
+    smol = demo.default_model()
     tok = runtime.load_model(smol, weights=False)[1]
     keep = [i for i in range(30) if i not in (11, 12, 13, 14, 15, 16, 17, 18, 25, 26)]
     pruned = prune_and_export(smol, keep, Path(tmp) / "smol-20", tok)
@@ -247,7 +248,7 @@ def main():
     tree = to_gguf.llama_cpp_tree(a.llama_cpp)
     for name in ("llama-perplexity", "llama-quantize", "llama-bench"):
         to_gguf.tool(tree, name)
-    tok = runtime.load_model(None, weights=False)[1]
+    tok = runtime.load_model(demo.default_model(), weights=False)[1]
     val = cache_teacher.corpus_blocks(tok, None, 512, None)["val"]
     with tempfile.TemporaryDirectory() as tmp:
         text = Path(tmp) / "held-out.txt"  # the end of the packaged plays, never trained on

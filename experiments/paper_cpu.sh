@@ -39,7 +39,7 @@ mkdir -p $R/claims
 
 arm_run() {  # MODEL SEQS SEED: the arm's prune.py flags (the schedule of the whole T-step run)
   local model=$1 seqs=$2 seed=$3 mp keep
-  if [ $model = smollm2 ]; then mp=${SMOLLM2:-$(python -c "import runtime; print(runtime.default_model())")} keep=20
+  if [ $model = smollm2 ]; then mp=${SMOLLM2:-$(python -c "import demo; print(demo.default_model())")} keep=20
   else mp=${GEMMA3:-$(python experiments/gemma.py)} keep=12; fi
   [ -n "${TINY:-}" ] && keep=${KEEP:-4}  # the toy models of the test
   echo "--model $mp --keep $keep --data $D/paper-corpus.jsonl --seq-len 128 --steps $T --batch-size 8 \

@@ -24,12 +24,13 @@ def tiny_model(path):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     sys.path.insert(0, str(ROOT))
+    import demo
     import runtime
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
                                  num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
                                  tie_word_embeddings=True)).save_pretrained(path)
-    AutoTokenizer.from_pretrained(runtime.default_model()).save_pretrained(path)
+    AutoTokenizer.from_pretrained(demo.default_model()).save_pretrained(path)
     play = sorted(Path(runtime.default_corpus()).rglob("*.md"))[0]
     (Path(path).parent / "play.txt").write_text(play.read_text()[:60_000])
     return str(Path(path).parent / "play.txt")

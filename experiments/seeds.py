@@ -147,15 +147,16 @@ def record(run_dir, method, seed, out, *evals):
     run_dir = Path(run_dir)  # a run stopped by --until: its stopped.json, the same fields
     exported = run_dir / "model" / "pruning.json"
     info = json.loads((exported if exported.exists() else run_dir / "stopped.json").read_text())
-    done = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()
-            if '"done"' in line]
+    log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    done = [e for e in log if e["event"] == "done"]
     res = {"method": method, "seed": int(seed), "kept_layers": info.get("kept_layers"),
            "layers_before": info.get("layers_before"),
            "tokens_trained": info.get("tokens_trained"),
            "search_forward_tokens": info.get("search_forward_tokens", 0),
            "minutes": done[-1].get("minutes") if done else info.get("minutes"),
            "flags": info.get("flags"), "step": info.get("step"),
-           "search": search_record(info),
+           "search": search_record(info),  # and S at each search step (log.jsonl's)
+           "trajectory": [e["scores"] for e in log if e["event"] == "search"],
            "python": platform.python_version(), "torch": torch.__version__, "corpora": {}}
     for path in evals:
         rep = json.loads(Path(path).read_text())

@@ -9,7 +9,7 @@
 #
 #   bash experiments/stash.sh pack [smollm2] [gemma3]   # here: .stash/manifest, .stash/000, 001, ...
 #   # on the device, call i: carry [".stash/manifest", ".stash/00i"], command:
-#   bash experiments/stash.sh take && export PYTHONPATH=/tmp/site && ...   # last call: then the grid
+#   bash experiments/stash.sh take && export PYTHONPATH=/tmp/site PATH=/tmp/bin:$PATH && ...   # then the grid
 #
 # `take` keeps each piece it is handed, and once the manifest's pieces are all there, installs the
 # wheels (`--no-deps`) and prints "ready"; before that it prints the pieces still missing and exits
@@ -59,4 +59,6 @@ for line in (keep / "manifest").read_text().split("\n"):
 print(f"stash: {len(list((keep / 'wheels').glob('*.whl')))} wheels checked")
 EOF
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $KEEP/wheels/*.whl
-echo "ready: PYTHONPATH=/tmp/site"
+# `python` for the scripts that call it, where the image names its interpreter python3 alone
+command -v python > /dev/null || { mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 "$@"\n' > /tmp/bin/python && chmod +x /tmp/bin/python; }
+echo "ready: export PYTHONPATH=/tmp/site PATH=/tmp/bin:\$PATH"

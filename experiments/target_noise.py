@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cache_teacher import DEFAULT_VAL_FRAC, vocab_size  # noqa: E402
-from runtime import default_model, load_model  # noqa: E402
+from demo import default_model  # noqa: E402
+from runtime import load_model  # noqa: E402
 from evaluate import eval_blocks, next_token_logprobs  # noqa: E402
 
 SAMPLED = (8, 12, 24)

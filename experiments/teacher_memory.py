@@ -29,13 +29,13 @@ def random_llama(path):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     sys.path.insert(0, str(ROOT))
-    import runtime
+    import demo
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=1024, intermediate_size=4096,
                       num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=16,
                       tie_word_embeddings=True)
     LlamaForCausalLM(cfg).save_pretrained(path)
-    AutoTokenizer.from_pretrained(runtime.default_model()).save_pretrained(path)
+    AutoTokenizer.from_pretrained(demo.default_model()).save_pretrained(path)
 
 
 def main():

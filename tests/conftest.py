@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts live at the repo root
 
-import runtime  # noqa: E402
+import demo  # noqa: E402
 import kd  # noqa: E402
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: one thread a worker, subprocesses too
@@ -67,7 +67,7 @@ def torchrun_failure(*outputs):
 @pytest.fixture(scope="session")
 def tokenizer():
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(runtime.default_model())
+    return AutoTokenizer.from_pretrained(demo.default_model())
 
 
 @pytest.fixture(scope="session")

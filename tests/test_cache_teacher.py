@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import cache_teacher
+import demo
 import runtime
 import surgery
 from cache_teacher import TeacherCache, build_cache
@@ -432,7 +433,7 @@ def test_fp16_logprobs_change_the_kd_loss_negligibly():
     """The measurement behind storing log-probabilities as fp16: on the default model and corpus, with a
     student that lost 6 of its 30 layers, the kd and akd losses against fp16-rounded targets are within
     1e-3 (relative) of those against the fp32 targets."""
-    model, tok = runtime.load_model(None)
+    model, tok = runtime.load_model(demo.default_model())
     ids = cache_teacher.corpus_blocks(tok, None, 128, 12 * 128)["train"][10:12]
     vocab = cache_teacher.vocab_size(tok)
     targets = cache_teacher.teacher_targets(model, ids, vocab, 10)

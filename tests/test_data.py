@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import cache_teacher as data
+import demo
 import runtime
 from cache_teacher import checked_blocks
 
@@ -169,7 +170,7 @@ def test_the_token_file_is_reused_and_follows_the_corpus(tokenizer, tmp_path, to
 
 
 def test_ids_beyond_uint16_are_stored_as_uint32(tokenizer, tmp_path, token_dir):
-    tok = type(tokenizer).from_pretrained(runtime.default_model())
+    tok = type(tokenizer).from_pretrained(demo.default_model())
     tok.add_tokens([f"<w{i}>" for i in range(65536 - len(tok) + 8)])  # ids up to 65543
     text = "a <w16390> b <w16385> c"
     path = tmp_path / "c.txt"
@@ -207,7 +208,7 @@ def test_bad_corpora_are_one_line_errors(case, tokenizer, tmp_path, monkeypatch,
         if case == "no pyarrow":
             monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # import then fails
     elif case == "no template":
-        tok = type(tokenizer).from_pretrained(runtime.default_model())
+        tok = type(tokenizer).from_pretrained(demo.default_model())
         tok.chat_template = None
         path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(runtime.E3Error, match=expect[case]):
@@ -220,7 +221,7 @@ def test_two_ranks_stop_together_when_rank_0_finds_no_text(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "cache_teacher.py", "--model", runtime.default_model(), "--data", str(empty),
+           "cache_teacher.py", "--model", demo.default_model(), "--data", str(empty),
            "--out", str(tmp_path / "cache")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "E3_TOKEN_CACHE": str(tmp_path / "t")}
     r = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True,
@@ -235,7 +236,7 @@ def test_a_tokenizer_that_encodes_otherwise_gets_its_own_token_file(change, toke
                                                                     token_dir):
     """One vocabulary, another encoding (a chat template, a BOS before every document): its own
     token file, never the first tokenizer's stream."""
-    tok = type(tokenizer).from_pretrained(runtime.default_model())
+    tok = type(tokenizer).from_pretrained(demo.default_model())
     if change == "chat template":
         tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
         path = tmp_path / "c.jsonl"

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import cache_teacher
+import demo
 import runtime
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
@@ -65,7 +66,7 @@ def test_the_paper_corpus_keeps_the_held_out_texts_out(tmp_path):
     pytest.importorskip("transformers")
     docs = domains.paper_corpus()
     text = "\n".join(docs)
-    tok = runtime.load_model(runtime.default_model(), weights=False)[1]
+    tok = runtime.load_model(demo.default_model(), weights=False)[1]
     held_out = cache_teacher.corpus_blocks(tok, None, 128, None)["val"]  # evaluate.py's Shakespeare
     for row in (0, len(held_out) // 2, len(held_out) - 1):
         assert tok.decode(held_out[row:row + 1][0])[10:200] not in text

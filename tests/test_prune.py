@@ -744,7 +744,7 @@ def test_until_stops_at_the_cut_and_resume_goes_on_as_one_run(make_tiny, corpus,
     assert [e["step"] for e in events(halves, "train")] == [1, 2, 3, 4]
     assert [e["tau"] for e in search] == [e["tau"] for e in events(straight, "search")]
     assert stop["initial_scores"] == events(halves, "importance")[0]["scores"]
-    assert stop["final_scores"] == search[-1]["scores"] and stop["trajectory"] == [e["scores"] for e in search]
+    assert stop["final_scores"] == search[-1]["scores"] and len(search) == 4
     S_T = stop["final_scores"]  # the cut's set: the protected first and last, then the top of S_T
     assert stop["kept_layers"] == sorted([0, L - 1] + sorted(range(1, L - 1), key=lambda i: -S_T[i])[:K - 2])
     assert stop["kept_layers"] == events(straight, "pruned")[0]["kept"] and stop["layers_before"] == L
