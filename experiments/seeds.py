@@ -207,7 +207,10 @@ def ranges(layers):
 
 
 def table(results_dir=RESULTS):
-    by = load(results_dir)
+    # the scored runs (a search stopped at the cut, paper_cpu.sh's stage 1, has no held-out scores)
+    by = {m: runs for m, runs in load(results_dir).items() if all(r["corpora"] for r in runs.values())}
+    if not by:
+        return "No scored runs yet."
     corpora = sorted({c for m in by.values() for r in m.values() for c in r["corpora"]},
                      key=lambda c: (c != "shakespeare", c))
     methods = [m for m in METHODS if m in by] + sorted(set(by) - set(METHODS))

@@ -86,7 +86,13 @@ def test_a_search_record():
     assert r["moved_mean"] == pytest.approx(.12) and r["jaccard_kl"] == pytest.approx(4 / 6)
 
 
-def test_the_cpu_stages_at_tiny_size(tmp_path, make_tiny):
+# the default run: stage 1 alone; -m slow: both stages (KL one-shot's run, two resumes to T, six scorings)
+STAGES = [pytest.param(("search",), id="search"),
+          pytest.param(("search", "finetune"), id="both", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("stages", STAGES)
+def test_the_cpu_stages_at_tiny_size(tmp_path, make_tiny, stages):
     """experiments/paper_cpu.sh at toy size (T = 20, T_M = 2): stage 1 stops each arm at the cut and
     records its search; stage 2 runs KL one-shot to the same step on the same cache, then both on
     to T, scored on the three held-out texts. The E3 fine-tune keeps the set its search stopped
@@ -95,13 +101,17 @@ def test_the_cpu_stages_at_tiny_size(tmp_path, make_tiny):
            "RUNS": str(tmp_path / "runs"), "RESULTS": str(tmp_path / "results"),
            "SMOLLM2": make_tiny("llama", 6),
            "E3_TEACHER_CACHE": str(tmp_path / "teacher")}
-    for stage, arms in ("search", "smollm2:8:0"), ("finetune", "smollm2:8:0"):
+    for stage in stages:
         done = subprocess.run(["bash", "experiments/paper_cpu.sh", stage], cwd=ROOT, env={
-            **env, "ARMS": arms}, capture_output=True, text=True, timeout=900)
+            **env, "ARMS": "smollm2:8:0"}, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     res = tmp_path / "results"
     search = json.loads((res / "e3-sb1k-search-s0.json").read_text())
     assert search["step"] == 2 and search["flags"]["steps"] == 20 and search["corpora"] == {}
+    assert len(search["trajectory"]) == 2 and search["search"]["kl_kept"] and not (
+        tmp_path / "runs" / "smollm2-e3-sb1k-search-s0" / "model").exists()  # stopped, not exported
+    if stages == ("search",):
+        return
     e3, kl = (json.loads((res / f"{m}-sb1k-paired-s0.json").read_text()) for m in ("e3", "kl-oneshot"))
     assert e3["kept_layers"] == search["kept_layers"] and e3["step"] == kl["step"] == 20
     S0 = json.loads((tmp_path / "runs" / "smollm2-e3-sb1k-search-s0" / "stopped.json").read_text())["initial_scores"]
