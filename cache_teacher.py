@@ -463,9 +463,13 @@ def _shard_done(path, identity, input_ids, dtype):
         return False  # unreadable: computed again
 
 
+def forward_batch(seq_len, shard_seqs, device):  # a GPU's forward ~16K tokens (at 1K, launch-bound)
+    return 8 if device.type == "cpu" else min(shard_seqs, max(8, 16384 // seq_len))  # <= a shard
+
+
 def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, seq_len=512,
                 max_tokens=None, val_frac=DEFAULT_VAL_FRAC, max_val_tokens=None, text_field="text",
-                batch_size=8, shard_seqs=64, device=None, shard_teacher=False, logit_chunk=0,
+                batch_size=None, shard_seqs=64, device=None, shard_teacher=False, logit_chunk=0,
                 targets="topk", samples=12, sample_seed=0, assistant_only=False):
     """Build (or finish) the teacher cache in `out` and return its path: nothing to do when the
     same complete cache is there; E3Error when `out` holds another. targets: "topk" (K = topk, the
@@ -475,6 +479,7 @@ def build_cache(model_name=None, data=None, out="out/teacher_cache", topk=10, se
     from transformers import AutoTokenizer
     rank, world = rank_and_world()
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    batch_size = batch_size or forward_batch(seq_len, shard_seqs, device)
     if (world > 1 or logit_chunk) and device.type == "cpu":  # the scale wing: freed memory back
         from scale.fsdp import release_freed_memory
         release_freed_memory()
@@ -645,8 +650,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", default="default", help="teacher: HF folder or hub id (default: the demo's)")
     p.add_argument("--data", help=".txt/.md, .jsonl, .parquet, or a folder (default: the plays)")
-    p.add_argument("--text-field", default="text", help="field (.jsonl) or column (.parquet) with "
-                   "the text; a .jsonl line without it and with a 'messages' list is a chat")
+    p.add_argument("--text-field", default="text", help="the .jsonl field / .parquet column ('messages': chat)")
     p.add_argument("--targets", choices=["topk", "sampled", "hybrid"], default="topk", help="the "
                    "top-K (the paper), --samples draws, or the top-K + draws from the rest (kd.py)")
     p.add_argument("--topk", type=int, default=10, help="K teacher tokens kept per position")
@@ -654,12 +658,11 @@ def main():
     p.add_argument("--sample-seed", type=int, default=0, help="the draws' seed (sampled, hybrid)")
     p.add_argument("--assistant-only", action="store_true", help="chats: loss on the reply only")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per packed sequence")
-    p.add_argument("--max-tokens", type=int, help=f"cap on training tokens (default: the whole "
-                   f"split; {DEMO_TOKENS} for the packaged demo)")
+    p.add_argument("--max-tokens", type=int, help=f"cap on training tokens (default all; demo {DEMO_TOKENS})")
     p.add_argument("--val-frac", type=float, default=DEFAULT_VAL_FRAC, help="end share held out")
     p.add_argument("--max-val-tokens", type=int, help=f"validation tokens (default {VAL_SEQS} seqs)")
     p.add_argument("--out", default="out/teacher_cache", help="cache folder (a rerun resumes it)")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass, per rank")
+    p.add_argument("--batch-size", type=int, help="sequences a forward, per rank (CPU 8; GPU ~16K tokens)")
     p.add_argument("--shard-seqs", type=int, default=64, help="sequences a shard: the resume unit")
     p.add_argument("--logit-chunk", type=int, default=0, help="> 0: logits this many tokens at a time")
     p.add_argument("--shard-teacher", action="store_true", help="torchrun: FSDP2-shard the teacher")
@@ -667,7 +670,7 @@ def main():
     if args.model == "default" and args.max_tokens is None:
         args.max_tokens = DEMO_TOKENS  # a few minutes on a CPU, the budget of `python prune.py`
     for name in ("topk", "samples", "seq_len", "batch_size", "shard_seqs"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise E3Error(f"--{name.replace('_', '-')} must be at least 1")
     _, _, device = init_distributed()
     build_cache(model_name=args.model, device=device,

@@ -187,7 +187,7 @@ print({c: round(v['ppl'], 2) for c, v in r['corpora'].items()})" $out)"
       # one teacher cache per model and corpus, built here, before any run reads it
       C=$R/cache-$model-$T-$B; tokens=$(( T * B * ${SEQ:-128} ))
       python cache_teacher.py --model $MP --data $D/paper-corpus.jsonl --seq-len ${SEQ:-128} \
-        --max-tokens $tokens --batch-size ${CACHE_BATCH:-8} --logit-chunk $chunk --out $C > $R/$(basename $C).out 2>&1 \
+        --max-tokens $tokens ${CACHE_BATCH:+--batch-size $CACHE_BATCH} --logit-chunk $chunk --out $C > $R/$(basename $C).out 2>&1 \
         || { tail -5 $R/$(basename $C).out; exit 1; }
       P="--model $MP --keep $keep --cache $C --steps $T --batch-size $B --micro-batch $micro --ckpt-every $CK $G"
       for s in ${SEEDS:-0 1 2}; do

@@ -19,7 +19,7 @@ A run is PATH/SHAPE[/COMPILE[/CHECKPOINTING[/CHUNK]]] (a teacher run: teacher/SH
            plan's pick, scale.plan.chunk_sizes: half a micro-batch's tokens)
   fsdp     FSDP2 over a world of one under torchrun (bf16 compute, fp32 reduce), the fused head as
            prune.py runs it there (its record's fsdp2: the student is FSDP2's)
-  teacher  cache_teacher.teacher_targets over 8 sequences (build_cache's batch) in the teacher's
+  teacher  cache_teacher.teacher_targets over build_cache's batch (forward_batch) in the teacher's
            dtype (bf16 on a GPU), no gradient, as build_cache runs it (each slice's log-softmax,
            entropy and top-K compiled on a GPU: scale/teacher.py; COMPILE 1: the teacher's layers
            compiled too); beside it, on the same model and batch, timed one after the other:
@@ -69,7 +69,7 @@ from torch.distributed.fsdp import FSDPModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts live at the repo root
 import prune  # noqa: E402
-from cache_teacher import teacher_dtype, teacher_targets  # noqa: E402
+from cache_teacher import forward_batch, teacher_dtype, teacher_targets  # noqa: E402
 from runtime import init_distributed  # noqa: E402
 from scale.compile import compile_layers  # noqa: E402
 from scale.plan import chunk_sizes, flops_per_token, peak_flops, probe_bytes  # noqa: E402
@@ -98,7 +98,7 @@ TINY = (dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attent
              num_key_value_heads=2, intermediate_size=128, vocab_size=512, tie_word_embeddings=True),
         32, 2)
 PROBE_SHAPE, PROBE_DEPTHS = "7b8", (2, 4)  # --activations: the plan's shape (scale.plan.BENCH_SHAPE)
-N_MICRO, TOPK, TEACHER_BATCH = 4, 10, 8
+N_MICRO, TOPK = 4, 10
 # CUDA runtime calls that block the host until the device is done (.item(), .cpu(), nonzero() and
 # boolean-mask indexing each end in one of them)
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
@@ -294,7 +294,7 @@ def train_run(args, shape, path, compiled, ac, device, chunk=None):
 def teacher_run(args, shape, compiled, device):
     cfg, seq = config(shape, args.shape_table), args.shape_table[shape][1]
     model = random_model(cfg, device, teacher_dtype(device)).eval()
-    ids = cache_batch(cfg, seq, TEACHER_BATCH, device, seed=0)["input_ids"]
+    ids = cache_batch(cfg, seq, forward_batch(seq, 64, device), device, seed=0)["input_ids"]
     step = lambda: teacher_targets(model, ids, cfg.vocab_size, TOPK)  # noqa: E731
 
     @torch.no_grad()

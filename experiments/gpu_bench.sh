@@ -30,7 +30,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 
 echo "gpu_bench: 1/3 one process, eager"
 timeout "$(left)" $PY $BENCH --activations none,selective,full \
-    --runs plain/1b,fused/1b,teacher/1b,plain/7b8,fused/7b8,teacher/7b8,plain/135m,fused/135m,teacher/135m,plain/1bm8,plain/135ms128,fused/135ms128,fused/1b/0/none/256,fused/1b/0/none/1024,fused/1b/0/none/4096,plain/7b/0/full
+    --runs plain/1b,fused/1b,teacher/1b,plain/7b8,fused/7b8,teacher/7b8,plain/135m,fused/135m,teacher/135m,plain/1bm8,plain/135ms128,fused/135ms128,teacher/135ms128,fused/1b/0/none/256,fused/1b/0/none/1024,fused/1b/0/none/4096,plain/7b/0/full
 echo "gpu_bench: 2/3 FSDP2 over one GPU (torchrun, port $PORT)"
 timeout "$(left)" $PY -m torch.distributed.run --nproc_per_node 1 --master_port "$PORT" $BENCH \
     --activations none,selective,full \

@@ -215,6 +215,7 @@ def test_a_step_is_the_mean_over_its_counted_positions():
         assert sum(means).item() / 4 != pytest.approx(values[counted].mean().item(), rel=1e-2)
 
 
+@pytest.mark.slow  # more ranks or processes than the default run's one of each
 def test_two_ranks_with_an_assistant_only_cache_match_one_process(make_tiny, tmp_path):
     """Two FSDP2 ranks (the vocabulary-parallel head fused with the loss) against one process on
     the plain logits path, over an --assistant-only cache: the same losses (the step's mean over

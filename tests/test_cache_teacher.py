@@ -270,6 +270,7 @@ os.write(1, f"weights loaded {rank} {' '.join(map(str, weights))}\\n".encode()) 
 """
 
 
+@pytest.mark.slow  # more ranks or processes than the default run's one of each
 def test_a_sharded_teacher_gives_the_one_process_cache(ref, tmp_path):
     """--shard-teacher on 2 ranks: the teacher is FSDP2-sharded, rank 1 builds it on the meta device and
     never reads the weights, and the cache equals the 1-process one (same ids, log-probs within 1e-3).
@@ -310,6 +311,7 @@ runtime.run_main(main)
 """
 
 
+@pytest.mark.slow  # more ranks or processes than the default run's one of each
 def test_two_ranks_split_the_shard_check_and_both_refuse_a_corrupt_one(ref, tmp_path):
     """Under torchrun each rank hashes every other shard, not all of them; a corrupt shard that only rank 1
     hashes still stops rank 0 too, with the one error line (no rank goes on alone or waits forever)."""
@@ -495,3 +497,13 @@ def test_a_masked_vocabulary_entry_leaves_the_entropy_finite():
     expected = -(p * p.log()).sum(-1)  # float64, over the finite entries only
     assert torch.isfinite(got["entropy"]).all()
     torch.testing.assert_close(got["entropy"].double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_forward_batch_fills_a_gpu_within_a_shard():
+    """build_cache's default batch: 8 sequences on a CPU (what every CPU cache was built with); on a
+    GPU ~16K tokens a forward, never fewer than 8 sequences nor more than a shard."""
+    from cache_teacher import forward_batch
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [forward_batch(s, 64, cuda) for s in (128, 512, 2048, 4096)] == [64, 32, 8, 8]
+    assert forward_batch(128, 16, cuda) == 16
+    assert [forward_batch(s, 64, cpu) for s in (128, 4096)] == [8, 8]

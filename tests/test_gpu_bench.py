@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import gpu_bench  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # the lease's command at CPU size: run it (-m slow) before a GPU window
 def test_the_lease_command_at_tiny_sizes(tmp_path):
     env = {**os.environ, "TINY": "1", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(["bash", "experiments/gpu_bench.sh", str(tmp_path / "out")], cwd=ROOT,

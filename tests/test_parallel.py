@@ -290,7 +290,8 @@ torch.distributed.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("tied, checkpointing", [(True, "none"), (False, "selective")])
+@pytest.mark.parametrize("tied, checkpointing", [(True, "none"),
+                                                 pytest.param(False, "selective", marks=pytest.mark.slow)])
 def test_fsdp_gradients_and_what_a_backward_gathers(tokenizer, tmp_path, tied, checkpointing):
     """On 2 gloo ranks, FSDP2's reduce-scattered gradients (a tied lookup that adds its rows, gloo's
     collectives in pieces of 4 KB, two micro-batches; untied, with selective activation checkpointing and
@@ -415,6 +416,7 @@ os.write(1, f"rank {rank}: sharded after micro-batch 1: {seen}\n".encode())  # o
 '''
 
 
+@pytest.mark.slow  # more ranks or processes than the default run's one of each
 def test_gradients_are_reduce_scattered_after_every_micro_batch(make_tiny, corpus, tmp_path):  # noqa: F811
     """Gradient accumulation under FSDP2 keeps only each rank's shard of the gradients (torchtitan's choice):
     after a step's first micro-batch every parameter holds its sharded gradient. Skipping the reduce-scatter
@@ -501,7 +503,7 @@ torch.distributed.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_vocabulary_parallel_loss_equals_float64_whole_logits(tmp_path, world):
     """scale.fused_loss.head_kd_loss with the head's rows split over gloo ranks (DTensors: uneven rows, 2 past the
     vocabulary, a bias, soft-capping, different token counts per rank, chunks smaller than a rank's tokens;

@@ -114,6 +114,7 @@ def two_rank_run(make_tiny, corpus, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # more ranks or processes than the default run's one of each
 def test_one_rank_under_torchrun_exports_what_one_process_does(single_run, make_tiny, corpus, tmp_path):
     """torchrun --nproc_per_node 1 --logit-chunk (one GPU's scale wing: FSDP2 over a world of one)
     exports the plain one-process run's layers and weights: its export handed FSDP2's DTensors to
@@ -217,6 +218,7 @@ def test_two_fsdp_ranks_match_one_process(single_run, two_rank_run):
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-4, msg=key)
 
 
+@pytest.mark.slow  # more ranks or processes than the default run's one of each
 def test_two_fsdp_ranks_with_lora_match_one_process(make_tiny, corpus, tmp_path):
     """Rank 1 builds the model on the meta device, LoRA factors included, and gets everything from rank 0:
     a wrong shard, a garbage buffer (Qwen3's rotary inv_freq) or an untied embedding would show here."""
@@ -265,6 +267,7 @@ def test_sigkill_then_resume_matches_uninterrupted(arch, single_run, make_tiny, 
         assert key in done and done[key] == pytest.approx(ref[key], abs=2e-4), key
 
 
+@pytest.mark.slow  # more ranks or processes than the default run's one of each
 def test_resume_after_the_search_on_two_ranks(single_run, tmp_path):
     """The single run's last checkpoint (step 6, after pruning) resumed by 2 FSDP ranks: the pruned shape is
     rebuilt (rank 1 on the meta device), the 1-process checkpoint loads into the shards, the result is the same."""
@@ -416,6 +419,7 @@ def test_keep_only_the_protected_layers(make_tiny, corpus, tmp_path):
         torch.testing.assert_close(exported(ids).logits, source(ids).logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # a variant of a run the default tests make: a flag's own path
 def test_given_layers_train_exactly_as_the_search_free_run_that_chose_them(make_tiny, corpus, tmp_path):
     """--layers skips stages 1 and 2: given the layers that KL one-shot (--search none) keeps, it trains
     bit for bit the same model (same seed, same data order), as --search-frac 0 does; a set without
@@ -513,6 +517,7 @@ def test_masks_per_step_gives_each_draw_its_share_of_the_micro_batches(make_tiny
         prune.main(tiny_args(model, corpus, tmp_path / "n3", "--masks-per-step", "3"))
 
 
+@pytest.mark.slow  # a variant of a run the default tests make: a flag's own path
 def test_score_scale_lr_schedule_search_loss_and_calib_data(single_run, make_tiny, corpus, tmp_path, monkeypatch):
     """--score-scale 3: S_0 is 3 x the importance of the plain run (its log). --score-lr-schedule linear: Adam
     steps S at 0.2, 0.15, 0.1, 0.05 (lr_S (T_M - t + 1) / T_M, T_M = 4, written out). --search-loss sft: the
@@ -556,6 +561,7 @@ def test_score_scale_lr_schedule_search_loss_and_calib_data(single_run, make_tin
     assert calib != pytest.approx(plain, rel=1e-3)
 
 
+@pytest.mark.slow  # a variant of a run the default tests make: a flag's own path
 def test_search_data_is_what_the_search_reads(make_tiny, corpus, tmp_path, monkeypatch):
     """--search-data: the Gumbel search's micro-batches come from that text and the fine-tune's from --data;
     evo and random score their sets on it. The search text is digits only, the play has letters: each batch
@@ -619,6 +625,7 @@ def test_exported_initial_scores_are_the_importance_not_the_searched_scores(sing
     assert info["final_scores"] != pytest.approx(info["initial_scores"], rel=1e-3)
 
 
+@pytest.mark.slow  # a variant of a run the default tests make: a flag's own path
 def test_a_cache_without_a_validation_split_validates_nothing(make_tiny, corpus, tmp_path):
     """A cache built with --val-frac 0 has no validation sequences: the run trains and exports, and
     logs no validation (it logged 0/0 = NaN at every one, silently)."""
@@ -692,6 +699,7 @@ def test_a_tokenizer_with_more_ids_than_the_embedding_is_refused_before_any_work
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # a variant of a run the default tests make: a flag's own path
 def test_the_search_steps_read_their_own_batch_size(make_tiny, corpus, tmp_path):
     """--search-batch-size: the search's T_M steps read that many sequences a step, the fine-tune
     --batch-size (the ablation of the tokens a search step sees, its steps and the fine-tune held):

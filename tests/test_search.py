@@ -379,7 +379,7 @@ def test_prune_py_evo_and_random_search_find_the_planted_layers(method, planted,
         assert meta["search_forward_tokens"] == 28 * 512  # every one of the C(8, 6) sets, once
 
 
-@pytest.mark.slow  # by default: evo on 2 ranks, and kill + resume
+@pytest.mark.slow  # by default: evo in one process, and kill + resume
 def test_evo_run_killed_and_resumed_reports_its_search_tokens_and_plans_them(planted, corpus, tmp_path):  # noqa: F811
     """The plan line states evo's forward-token budget before anything runs; a run killed after its first
     checkpoint and resumed still reports the forward tokens its search spent before the kill (the old
@@ -419,6 +419,7 @@ torch.distributed.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # more ranks or processes than the default run's one of each
 def test_evo_search_on_two_fsdp_ranks_matches_one_process(planted, planted_cache, tmp_path):
     """300 tokens = 9 sequences and 12 tokens, a prefix, scored by both ranks of a sharded model: both
     must take the same path and the fitness must be the one-process one."""

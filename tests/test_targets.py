@@ -310,6 +310,7 @@ def train_losses(out):
     return [e["loss"] for e in events(out, "train")]
 
 
+@pytest.mark.slow  # a variant of a run the default tests make: a flag's own path
 def test_prune_py_with_each_target(make_tiny, corpus, tmp_path, monkeypatch, capsys):  # noqa: F811
     import prune
     monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
@@ -384,8 +385,9 @@ def test_kd_full_distils_the_teacher_in_the_dtype_that_made_the_cache(make_tiny,
         torch.testing.assert_close(seen[0]["teacher_logits"], teacher(seen[0]["input_ids"]).logits)
 
 
-# hybrid holds both parts (the top-K and draws): sampled alone is slow
-@pytest.mark.parametrize("targets", [pytest.param("sampled", marks=pytest.mark.slow), "hybrid"])
+# two ranks (slow): the default run has one process with each target and two ranks with the top-K
+@pytest.mark.slow
+@pytest.mark.parametrize("targets", ["sampled", "hybrid"])
 def test_two_ranks_with_a_sampled_cache_match_one_process(make_tiny, corpus, tmp_path, targets):  # noqa: F811
     """Two FSDP2 ranks (the vocabulary-parallel head fused with the loss) against one process on the
     plain logits path, over a sampled (or hybrid) cache: the same losses."""
