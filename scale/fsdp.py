@@ -29,6 +29,7 @@ In one process (prune.py --logit-chunk), parallelize applies only tied_lookup_ad
 CPU, release_freed_memory, as prune.py does for every scale-wing run there).
 """
 import ctypes
+import functools
 import types
 
 import torch
@@ -89,21 +90,39 @@ def parallelize(model, device, fused_loss=False, train=True):
 
 def apply_activation_checkpointing(model, mode):
     """Recompute each decoder layer's activations in its backward instead of keeping them: "full"
-    keeps a layer's input alone (HF's checkpointing, non-reentrant); "selective" keeps the outputs of
-    its matmuls and attention too, and recomputes only the cheap elementwise ops between them (norms,
-    RoPE, SiLU, the residual adds: torchtitan's op-level SAC): nearly the FLOPs of no
-    checkpointing, for part of its memory. Call it before parallelize (fully_shard). transformers'
-    per-layer checkpoint wraps the layer's whole call, its forward hooks (FSDP2's gather, the search's
-    gates) included, which rerun in the recomputation with the same mask; the state-dict names do
-    not change."""
-    kwargs = {"use_reentrant": False}
-    if mode == "selective":
-        kwargs["context_fn"] = _save_matmuls
-    elif mode != "full":
+    keeps a layer's input alone; "selective" keeps the outputs of its matmuls and attention too, and
+    recomputes only the cheap elementwise ops between them (norms, RoPE, SiLU, the residual adds:
+    torchtitan's op-level SAC): nearly the FLOPs of no checkpointing, for part of its memory.
+
+    The checkpoint wraps each layer's own `forward` (an instance attribute: the module, its names and
+    its hooks stay), as torchtitan wraps a block before compiling it: a compiled layer
+    (scale/compile.py, applied after) compiles the checkpoint with it, compile(checkpoint(f)), and the
+    compiler's partitioner applies the selective policy. The other order, a checkpoint around a
+    compiled layer (transformers' own switch did that up to 5.17, wrapping the layer's __call__),
+    fails under selective with inductor ("Tensor cached during selective activation checkpoint has been
+    mutated"). Forward hooks (FSDP2's gather, the search's gates) run outside the checkpoint, once;
+    FSDP2's pre-backward gather serves the recomputation. Call it before compile and parallelize."""
+    from torch.utils.checkpoint import noop_context_fn
+    if mode not in ("full", "selective"):
         raise ValueError(f"activation checkpointing is 'full' or 'selective', not {mode!r}")
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable(kwargs)  # transformers' per-layer switch (the first argument: checkpoint()'s keywords)
+    context_fn = _save_matmuls if mode == "selective" else noop_context_fn
+    for layer in decoder_layers(model):
+        # a partial of the bound forward: copy.deepcopy of the model rebinds it to the copy's layer
+        layer.forward = functools.partial(_checkpointed, layer.forward, context_fn)
     return model
+
+
+def _checkpointed(forward, context_fn, *args, **kwargs):
+    """One layer's forward under torch.utils.checkpoint (non-reentrant); a forward with no backward to
+    come (validation, importance, no_grad) runs plain."""
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    from torch.utils.checkpoint import checkpoint
+    from transformers.cache_utils import Cache
+    # no KV cache (whatever its keyword's name): the recomputation would append to it a second time
+    kwargs = {k: None if isinstance(v, Cache) or k == "layer_past" else False if k == "use_cache" else v
+              for k, v in kwargs.items()}
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
 def _save_matmuls():

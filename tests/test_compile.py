@@ -62,3 +62,27 @@ def test_compiled_layers_train_as_eager(checkpointing):
 @pytest.mark.parametrize("checkpointing", [None, "selective"])
 def test_inductor_compiled_layers_train_as_eager(checkpointing):
     check_compiled_trains_as_eager("inductor", checkpointing)
+
+
+def test_a_compiled_layer_compiles_its_checkpoint():
+    """scale.fsdp's checkpoint wraps a layer's forward, so the compiled layer holds it: one captured
+    graph with the checkpoint in it (a higher-order op whose selective policy the compiler's
+    partitioner applies), never a checkpoint around a compiled call (inductor fails under selective
+    there: transformers <= 5.17's switch, which wrapped the layer's __call__). It needs no switch of
+    transformers': a model whose own switch refuses (custom code) is checkpointed the same; training
+    it gives the eager model's losses."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    model = tiny_llama(2)
+    model.supports_gradient_checkpointing = False  # transformers' gradient_checkpointing_enable refuses
+    eager = copy.deepcopy(model)
+    apply_activation_checkpointing(model, "selective")
+    torch._dynamo.reset()
+    compile_layers(model, backend=capture)
+    got, want = train(model, 2)[0], train(eager, 2)[0]
+    ops = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert len(graphs) == 1 and any("tag_activation_checkpoint" in op for op in ops), ops
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-5)
