@@ -209,10 +209,11 @@ def load_bench(path=BENCH_JSON):
 
 def activation_bytes(cfg, mode, fsdp, measured):
     """(bytes a token and layer, source): the formula, scaled by measured / modelled of the bench's
-    probe of the same path (FSDP2 or one process) and mode, where the bench has one."""
+    probe of the same path (FSDP2 or one process) and mode, where the bench has one that measured
+    something (a deeper model leaving no more allocated than a shallower one measured nothing)."""
     formula = activation_formula(cfg, mode, residual_bytes(fsdp))
     found = measured.get("activations", {}).get("fsdp" if fsdp else "plain", {}).get(mode)
-    if not (found and found.get("measured")):
+    if not (found and (found.get("measured") or 0) > 0):
         return formula, "formula"
     scale = found["measured"] / found["formula"]
     return formula * scale, f"formula x {scale:.3f} measured"

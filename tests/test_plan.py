@@ -249,6 +249,19 @@ def test_the_bench_measurement_scales_the_formula_and_sets_the_mfu(tmp_path):
     assert any("measured on NVIDIA H100 80GB HBM3" in line for line in lines)
 
 
+def test_a_probe_that_measured_nothing_leaves_the_formula(tmp_path):
+    """A probe whose deeper model left less allocated than the shallower one (FSDP2 under full
+    checkpointing on the H200: -317,450 B a token and layer, buffers of the step before freed during
+    the forward) measured nothing: the formula stands, unscaled, never a negative activation size."""
+    args, model, L, _ = planned(tmp_path, LLAMA2_7B, 13, 8)
+    bench = {"activations": {"fsdp": {"full": {"measured": -317450, "formula": 8192},
+                                      "selective": {"measured": 0, "formula": 101504}}}}
+    cfg = model.config
+    for mode in ("full", "selective"):
+        assert P.activation_bytes(cfg, mode, True, bench) == P.activation_bytes(cfg, mode, True, {})
+        assert P.activation_bytes(cfg, mode, True, bench)[0] > 0
+
+
 def test_routed_experts_count_at_their_share():
     """A MoE layer's 3-D expert weights count top-k / experts of their size (a token visits top-k)."""
     from transformers import AutoConfig, AutoModelForCausalLM
