@@ -172,7 +172,7 @@ print({c: round(v['ppl'], 2) for c, v in r['corpora'].items()})" $out)"
              [e3-sb64k]="--search-batch-size 512" [e3-sb128k]="--search-batch-size 1024")
     T=${STEPS:-1200} B=${BATCH:-128} G=""; CK=${CKPT:-600}; O0=${RESULTS:-experiments/results-paper}
     if [ -n "${TINY:-}" ]; then  # toy models and budget: every line of the mode runs in seconds
-      T=${STEPS:-10} B=${BATCH:-4} MICRO=${MICRO:-2} EVAL_TOKENS=${EVAL_TOKENS:-256}
+      T=${STEPS:-10} B=${BATCH:-4} MICRO=${MICRO:-2} EVAL_TOKENS=${EVAL_TOKENS:-256} VAL="--max-val-tokens 512"
       G="--n-calib 2 --evo-generations 1 --evo-offspring 2 --evo-stages 64:1 --eval-every 5"
     fi
     mkdir -p $R
@@ -187,7 +187,7 @@ print({c: round(v['ppl'], 2) for c, v in r['corpora'].items()})" $out)"
       # one teacher cache per model and corpus, built here, before any run reads it
       C=$R/cache-$model-$T-$B; tokens=$(( T * B * ${SEQ:-128} ))
       python cache_teacher.py --model $MP --data $D/paper-corpus.jsonl --seq-len ${SEQ:-128} \
-        --max-tokens $tokens ${CACHE_BATCH:+--batch-size $CACHE_BATCH} --logit-chunk $chunk --out $C > $R/$(basename $C).out 2>&1 \
+        --max-tokens $tokens ${CACHE_BATCH:+--batch-size $CACHE_BATCH} ${VAL:-} --logit-chunk $chunk --out $C > $R/$(basename $C).out 2>&1 \
         || { tail -5 $R/$(basename $C).out; exit 1; }
       P="--model $MP --keep $keep --cache $C --steps $T --batch-size $B --micro-batch $micro --ckpt-every $CK $G"
       for s in ${SEEDS:-0 1 2}; do

@@ -18,8 +18,8 @@ from scale.fused_loss import check_logits_path, last_layer_output
 from scale.lora import lora_targets
 from surgery import (LayerGates, check_removable, decoder_layers, export_pruned, kl_importance,
                      pruned_config, remove_layers)
-from test_prune import (assert_one_line_error, corpus, events, run, tiny_args,  # noqa: F401
-                        weights)  # (corpus: a fixture)
+from test_prune import (corpus, events, one_line_error, run,  # noqa: F401
+                        tiny_args, weights)  # (corpus: a fixture)
 
 L, KEEP = 6, [0, 2, 3, 5]  # removes layers 1 and 4: a dense and a sparse one in every MoE below
 VOCAB = 49152  # the demo tokenizer's: its files and chat template travel with the export
@@ -61,7 +61,8 @@ CONFIGS = {
                         word_embed_proj_dim=16)),  # final_layer_norm, then project_out
 }
 # ... and those tested for their logits alone (Falcon-H1's Mamba layers run slowly here)
-LOGITS_ONLY = {"falcon_h1": ("falcon_h1", dict(ATTN, lm_head_multiplier=0.5))}  # multiplies
+LOGITS_ONLY = {"falcon_h1": ("falcon_h1", dict(ATTN, lm_head_multiplier=0.5, mamba_d_ssm=64, mamba_n_heads=8,
+                                               mamba_d_state=16, mamba_chunk_size=16))}  # multiplies
 
 
 def tiny(arch, layers=L, seed=0, dtype=torch.float32):
@@ -346,17 +347,19 @@ def test_a_config_naming_no_dtype_exports_the_dtype_of_its_weights(tmp_path, tok
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float16"
 
 
-def test_prune_refuses_an_inexpressible_layout_before_any_work(tokenizer, corpus, tmp_path):
+def test_prune_refuses_an_inexpressible_layout_before_any_work(tokenizer, corpus, tmp_path, capsys, monkeypatch):
     """ERNIE with MoE on every other layer: some layer sets the search may pick cannot be written
-    back, so prune.py stops at once, with one line, and writes nothing."""
+    back, so prune.py stops at once, with one line, and writes nothing (its command line run in this
+    process, through run_main)."""
+    import prune
+    monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
     cfg = AutoConfig.for_model("ernie4_5_moe", vocab_size=VOCAB, num_hidden_layers=L,
                                max_position_embeddings=64, moe_num_experts=4, moe_k=2,
                                moe_layer_start_index=1, moe_layer_interval=2,
                                moe_intermediate_size=32, **ATTN)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "ernie")
     tokenizer.save_pretrained(tmp_path / "ernie")
-    proc = run(tiny_args(str(tmp_path / "ernie"), corpus, tmp_path / "out"), tmp_path, check=False)
-    assert_one_line_error(proc, "cannot describe")
+    one_line_error(tiny_args(str(tmp_path / "ernie"), corpus, tmp_path / "out"), capsys, "cannot describe")
     assert not (tmp_path / "out").exists() and not (tmp_path / "teacher").exists()
 
 

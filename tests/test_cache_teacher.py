@@ -399,13 +399,16 @@ def _tokenizer_variant(tiny_model, path, change):
 
 @pytest.mark.parametrize("case", ["missing data", "empty data", "unread format", "truncated shard",
                                   "other vocabulary", "other tokenizer"])
-def test_bad_input_ends_with_one_error_line(case, ref, tmp_path):
+def test_bad_input_ends_with_one_error_line(case, ref, tmp_path, capsys, monkeypatch):
+    """Exit status 2 and one `error:` line, no traceback: the first case as a user runs it (a process of
+    its own), the others in this process through run_main, as `python cache_teacher.py` calls main."""
+    argv = None
     if case in ("missing data", "empty data", "unread format"):
-        # the unread format is refused in scale/data.py, a module that imports the script by name
+        # the unread format is refused in scale/data.py
         data = tmp_path / ("none.csv" if case == "unread format" else "none.txt")
         if case != "missing data":
             data.write_text("a,b\n" if case == "unread format" else "  \n")
-        cmd = [sys.executable, *cli(ref, data=str(data), out=str(tmp_path / "c"))]
+        argv = cli(ref, data=str(data), out=str(tmp_path / "c"))
         expect = {"missing data": "does not exist", "empty data": "no text found",
                   "unread format": "not in a format"}[case]
     else:
@@ -421,14 +424,19 @@ def test_bad_input_ends_with_one_error_line(case, ref, tmp_path):
         else:
             tok = _tokenizer_variant(tok, tmp_path / "tok", lambda t: setattr(t, "eos_token", "<|im_start|>"))
             expect = "another tokenizer"
-        code = ("import sys; from transformers import AutoTokenizer; from runtime import run_main; "
-                "from cache_teacher import TeacherCache; "
-                "run_main(lambda: TeacherCache(sys.argv[1], AutoTokenizer.from_pretrained(sys.argv[2])))")
-        cmd = [sys.executable, "-c", code, str(cache), tok]
-    r = run(cmd)
-    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert len(errors) == 1 and expect in errors[0], r.stderr[-3000:]
+    if case == "missing data":
+        r = run([sys.executable, *argv])
+        code, err = r.returncode, r.stderr
+    else:
+        if argv:
+            monkeypatch.setattr(sys, "argv", argv)
+        with pytest.raises(SystemExit) as e:
+            runtime.run_main(cache_teacher.main if argv else
+                             lambda: cache_teacher.TeacherCache(str(cache), AutoTokenizer.from_pretrained(tok)))
+        code, err = e.value.code, capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    assert len(errors) == 1 and expect in errors[0], err[-3000:]
 
 
 def test_fp16_logprobs_change_the_kd_loss_negligibly():

@@ -84,18 +84,22 @@ LLAMA_2_7B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden
                   rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
-def test_plan_from_a_config_alone(tmp_path):
+def plan_lines(argv, capsys):
+    """prune.py's command line run in this process (tests/test_plan.py runs `--plan` as a process)."""
+    import prune
+    prune.main(argv)
+    return capsys.readouterr().out
+
+
+def test_plan_from_a_config_alone(tmp_path, capsys):
     """Llama-2-7B x 8 ranks from its config.json alone (no weights, no tokenizer): the parameter count
     written out here, 16 B per parameter over 8 ranks, the paper's schedule (5% warm-up of T = 1200)."""
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_2_7B))
-    proc = subprocess.run([sys.executable, str(ROOT / "prune.py"), "--model", str(tmp_path), "--keep", "13",
-                           "--plan", "8"], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = plan_lines(["--model", str(tmp_path), "--keep", "13", "--plan", "8"], capsys)
     d, ff, V, L = 4096, 11008, 32000, 32
     layer = 4 * d * d + 3 * d * ff + 2 * d  # q k v o, gate up down, two RMSNorms
     params = 2 * V * d + L * layer + d  # embedding, LM head (untied), layers, final norm
     assert params == 6_738_415_616  # the published Llama-2-7B size
-    line = proc.stdout
     assert f"{params / 1e6:,.1f}M params" in line, line
     assert f"{16 * params / 8 / 1e9:.3g} GB/rank in the search" in line, line
     assert f"{16 * (params - (L - 13) * layer) / 8 / 1e9:.3g} GB/rank after the cut" in line, line
@@ -104,12 +108,11 @@ def test_plan_from_a_config_alone(tmp_path):
     assert f"{tokens:,} tokens" in line and f"cache {46 * tokens / 1e9:.3g} GB on disk" in line, line
 
 
-def test_short_budget_keeps_the_schedule_shape(tmp_path):
+def test_short_budget_keeps_the_schedule_shape(tmp_path, capsys):
     """A 58-step budget with the paper's settings warms up for 5% of it (3 steps), not for 60."""
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_2_7B))
-    proc = subprocess.run([sys.executable, str(ROOT / "prune.py"), "--model", str(tmp_path), "--keep", "13",
-                           "--plan", "8", "--steps", "58"], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert "T 58 (search T_M 6, warm-up 3)" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    out = plan_lines(["--model", str(tmp_path), "--keep", "13", "--plan", "8", "--steps", "58"], capsys)
+    assert "T 58 (search T_M 6, warm-up 3)" in out, out
 
 
 def tied_grads(model, batches, adds_rows):

@@ -327,22 +327,18 @@ def test_a_gpu_run_keeps_a_micro_batch_or_checkpointing_it_was_given(tmp_path, m
     assert (args.micro_batch, args.activation_checkpointing) == (1, "selective")
 
 
-def test_a_plan_for_a_given_cache_takes_its_sequence_length_and_targets(tmp_path):
+def test_a_plan_for_a_given_cache_takes_its_sequence_length_and_targets(tmp_path, capsys):
     """`prune.py --cache C --plan N` (the README's two-step workflow): the cache's meta.json fixes the
-    sequence length and the targets, as it does for the run itself."""
+    sequence length and the targets, as it does for the run itself (its command line run in this
+    process; the test above runs one as a process of its own)."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
     from transformers import AutoConfig
     cfg = dict(LLAMA2_7B)
     AutoConfig.for_model(cfg.pop("model_type"), **cfg).save_pretrained(tmp_path / "m")
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "meta.json").write_text(json.dumps({"seq_len": 2048, "topk": 16, "targets": "topk"}))
-    root = Path(prune.__file__).resolve().parent
-    r = subprocess.run([sys.executable, str(root / "prune.py"), "--model", str(tmp_path / "m"), "--keep",
-                        "13", "--cache", str(tmp_path / "c"), "--plan", "8", "--steps", "10"],
-                       capture_output=True, text=True, timeout=300, cwd=root)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "128 x 2048 tokens a step" in r.stdout
-    assert json.loads(r.stdout.strip().splitlines()[-1])["tokens"] == 10 * 128 * 2048
+    prune.main(["--model", str(tmp_path / "m"), "--keep", "13", "--cache", str(tmp_path / "c"),
+                "--plan", "8", "--steps", "10"])
+    out = capsys.readouterr().out
+    assert "128 x 2048 tokens a step" in out
+    assert json.loads(out.strip().splitlines()[-1])["tokens"] == 10 * 128 * 2048

@@ -48,6 +48,14 @@ def run(args, tmp_path, nproc=1, check=True, torchrun=False, **kw):
     return proc
 
 
+def run_here(args, tmp_path, monkeypatch):
+    """prune.py's command line run in this process, its teacher cache where run() puts it: for a test
+    where no launcher, kill or exit status is under test (a process costs ~8 s of imports)."""
+    import prune
+    monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
+    prune.main(args)
+
+
 def weights(out):
     return load_file(str(Path(out) / "model" / "model.safetensors"))
 
@@ -145,13 +153,13 @@ def test_only_k_layers_run_after_the_cut(make_tiny, corpus, tmp_path, monkeypatc
     assert len(set(calls[4 * 4 * L:])) == K  # the fine-tune steps run K distinct layers
 
 
-def test_validation_during_the_search_runs_the_top_k_not_a_sampled_mask(make_tiny, corpus, tmp_path):
+def test_validation_during_the_search_runs_the_top_k_not_a_sampled_mask(make_tiny, corpus, tmp_path, monkeypatch):
     """With lr 0 and score-lr 0 nothing moves: the validation at every search step must be that of the
     model the search would keep (the top-k of S), i.e. equal to the validation right after the cut, on
     the physically pruned model. The old code validated whatever mask the last step had sampled."""
     out = tmp_path / "frozen"
-    run(tiny_args(make_tiny("llama", L), corpus, out, "--lr", "0", "--score-lr", "0", "--eval-every", "1",
-                  "--ckpt-every", "100"), tmp_path)
+    run_here(tiny_args(make_tiny("llama", L), corpus, out, "--lr", "0", "--score-lr", "0", "--eval-every",
+                       "1", "--ckpt-every", "100"), tmp_path, monkeypatch)
     vals = {e["when"]: e["val_loss"] for e in events(out, "val")}
     during = [vals[f"step {t}"] for t in (1, 2, 3)]
     assert during == pytest.approx([vals["at pruning"]] * 3, rel=0, abs=1e-6), vals
@@ -196,15 +204,16 @@ def test_two_ranks_killed_mid_search_resume_on_two_ranks(two_rank_run, make_tiny
     assert_same_weights(two_rank_run, out, atol=1e-5)
 
 
-def test_bi_init_two_ranks_killed_mid_search_resume_on_one(make_tiny, corpus, tmp_path):
+def test_bi_init_two_ranks_killed_mid_search_resume_on_one(make_tiny, corpus, tmp_path, monkeypatch):
     """--init bi under torchrun checkpoints (it crashed with KeyError: 0 in get_state_dict), and a
-    checkpoint of 2 ranks resumes in 1 process: DCP reshards on load. Reference: 1 process throughout."""
+    checkpoint of 2 ranks resumes in 1 process: DCP reshards on load. Reference: 1 process throughout
+    (the reference and the resume in this one)."""
     model = make_tiny("llama", L)
     ref, out = tmp_path / "ref", tmp_path / "run"
-    run(tiny_args(model, corpus, ref, "--init", "bi"), tmp_path)
+    run_here(tiny_args(model, corpus, ref, "--init", "bi"), tmp_path, monkeypatch)
     args = tiny_args(model, corpus, out, "--init", "bi")
     kill_after_first_checkpoint(args, tmp_path, nproc=2)
-    run(args + ["--resume"], tmp_path)
+    run_here(args + ["--resume"], tmp_path, monkeypatch)
     assert events(out, "pruned")[0]["kept"] == events(ref, "pruned")[0]["kept"]
     assert_same_weights(ref, out, atol=1e-4)
 
@@ -235,16 +244,18 @@ def test_two_fsdp_ranks_with_lora_match_one_process(make_tiny, corpus, tmp_path)
 
 # GPT-2 holds llama's case and dropout's: llama alone is slow
 @pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.slow), "gpt2"])
-def test_sigkill_then_resume_matches_uninterrupted(arch, single_run, make_tiny, corpus, tmp_path):
+def test_sigkill_then_resume_matches_uninterrupted(arch, make_tiny, corpus, tmp_path, monkeypatch, request):
     """Killed after its first checkpoint (step 3, mid-search) and resumed: the same layers, weights and
     summary as the uninterrupted run. GPT-2 trains with dropout 0.1: the resumed steps must draw the
     masks the uninterrupted run drew."""
     out = tmp_path / "run"
     seed = ["--seed", "20240601"] if arch != "llama" else []  # (a date: a large seed)
     args = tiny_args(make_tiny(arch, L), corpus, out, *seed)
-    if arch != "llama":  # the uninterrupted reference (llama's is the module's single_run)
+    if arch == "llama":  # the uninterrupted reference: the module's single_run, else made here
+        single_run = request.getfixturevalue("single_run")
+    else:
         single_run = tmp_path / "reference"
-        run(tiny_args(make_tiny(arch, L), corpus, single_run, *seed), tmp_path)
+        run_here(tiny_args(make_tiny(arch, L), corpus, single_run, *seed), tmp_path, monkeypatch)
     env = {**os.environ, "E3_TEACHER_CACHE": str(tmp_path / "teacher"), "PYTHONUNBUFFERED": "1",
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, str(ROOT / "prune.py"), *args], cwd=ROOT, env=env,
@@ -255,7 +266,7 @@ def test_sigkill_then_resume_matches_uninterrupted(arch, single_run, make_tiny, 
             break
     proc.wait()
     assert proc.returncode == -signal.SIGKILL and not (out / "model").exists()
-    run(args + ["--resume"], tmp_path)
+    run_here(args + ["--resume"], tmp_path, monkeypatch)  # (in this process)
     assert events(out, "pruned")[0]["kept"] == events(single_run, "pruned")[0]["kept"]
     a, b = weights(single_run), weights(out)
     for key in a:
@@ -354,7 +365,7 @@ def test_bad_inputs_fail_with_one_line(single_run, make_tiny, corpus, tmp_path, 
     assert tree_state(single_run) == before
 
 
-def test_cache_mismatch_and_unknown_architecture(make_tiny, corpus, tmp_path):
+def test_cache_mismatch_and_unknown_architecture(make_tiny, corpus, tmp_path, capsys, monkeypatch):
     from cache_teacher import build_cache
     model = make_tiny("llama", L)
     cache = tmp_path / "cache"
@@ -370,28 +381,31 @@ def test_cache_mismatch_and_unknown_architecture(make_tiny, corpus, tmp_path):
     tok.save_pretrained(other)
     a = tiny_args(str(other), corpus, tmp_path / "b", "--cache", str(cache))
     a.remove("--seq-len"), a.remove("32")
-    assert_one_line_error(run(a, tmp_path, check=False), "tokenizer")
+    import prune  # the next two in this process (the first ran as a user runs it)
+    monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
+    one_line_error(a, capsys, "tokenizer")
     # a truncated shard
     shard = sorted(cache.rglob("*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:-100])
     a = tiny_args(model, corpus, tmp_path / "c", "--cache", str(cache))
     a.remove("--seq-len"), a.remove("32")
-    assert_one_line_error(run(a, tmp_path, check=False), "shard")
+    one_line_error(a, capsys, "shard")
 
 
-def test_sheared_llama_l0_baseline_runs(make_tiny, corpus, tmp_path):
+def test_sheared_llama_l0_baseline_runs(make_tiny, corpus, tmp_path, monkeypatch):
     out = tmp_path / "l0"
-    run(tiny_args(make_tiny("llama", L), corpus, out, "--search", "l0"), tmp_path)
+    run_here(tiny_args(make_tiny("llama", L), corpus, out, "--search", "l0"), tmp_path, monkeypatch)
     search = events(out, "search")
     assert [e["k"] for e in search][-1] == K and len(search) == 4
     assert any(0 < m < 1 for e in search for m in e["mask"])  # soft masks in the forward pass
     assert len(json.loads((out / "model" / "pruning.json").read_text())["kept_layers"]) == K
 
 
-def test_baseline_flag_sets_run(make_tiny, corpus, tmp_path):
+def test_baseline_flag_sets_run(make_tiny, corpus, tmp_path, monkeypatch):
     """ShortGPT (--init bi --search none --steps 0) prunes with no training and no teacher cache."""
     out = tmp_path / "shortgpt"
-    run(tiny_args(make_tiny("llama", L), corpus, out, "--init", "bi", "--search", "none", "--steps", "0"), tmp_path)
+    run_here(tiny_args(make_tiny("llama", L), corpus, out, "--init", "bi", "--search", "none", "--steps", "0"),
+             tmp_path, monkeypatch)
     meta = json.loads((out / "model" / "pruning.json").read_text())
     assert meta["tokens_trained"] == 0 and len(meta["kept_layers"]) == K
     init = events(out, "importance")[0]["scores"]
@@ -400,13 +414,13 @@ def test_baseline_flag_sets_run(make_tiny, corpus, tmp_path):
     assert not (tmp_path / "teacher").exists()
 
 
-def test_keep_only_the_protected_layers(make_tiny, corpus, tmp_path):
+def test_keep_only_the_protected_layers(make_tiny, corpus, tmp_path, monkeypatch):
     """k'_t falls to the protected count, where the free layers' mask no longer depends on the scores.
     With lr 0 the weights do not move, so the export must be the source model with only its first and
     last layers, written out here by slicing the ModuleList by hand."""
     model = make_tiny("llama", L)
     out = tmp_path / "k2"
-    run(tiny_args(model, corpus, out, "--keep", "2", "--steps", "4", "--lr", "0"), tmp_path)
+    run_here(tiny_args(model, corpus, out, "--keep", "2", "--steps", "4", "--lr", "0"), tmp_path, monkeypatch)
     search = events(out, "search")
     assert [e["k"] for e in search] == [4, 2]  # T_M = 2: k' = 6 - ceil(4 t / 2)
     assert search[-1]["mask"] == [1.0] + [0.0] * (L - 2) + [1.0]
@@ -718,35 +732,33 @@ def test_the_search_steps_read_their_own_batch_size(make_tiny, corpus, tmp_path)
     assert r.returncode == 2 and "--search-batch-size 3 must be a multiple" in r.stderr
 
 
-def test_compile_and_selective_checkpointing_train_what_eager_trains(make_tiny, corpus, tmp_path):
+def test_compile_and_selective_checkpointing_train_what_eager_trains(single_run, make_tiny, corpus, tmp_path):
     """prune.py --compile --activation-checkpointing selective (each layer torch.compiled, inductor,
-    its matmuls' outputs kept for the backward) against the same run eager: the same layers kept, the
-    losses within 1e-3, the export's tensor names the same and its weights within 1e-4."""
-    model = make_tiny("llama", L)
-    run(tiny_args(model, corpus, tmp_path / "eager"), tmp_path)
-    run(tiny_args(model, corpus, tmp_path / "compiled", "--compile", "--activation-checkpointing",
-                  "selective"), tmp_path)
-    eager, compiled = events(tmp_path / "eager", "done")[0], events(tmp_path / "compiled", "done")[0]
+    its matmuls' outputs kept for the backward) against the same run eager (single_run): the same
+    layers kept, the losses within 1e-3, the export's tensor names the same and its weights within 1e-4."""
+    run(tiny_args(make_tiny("llama", L), corpus, tmp_path / "compiled", "--compile",
+                  "--activation-checkpointing", "selective"), tmp_path)
+    eager, compiled = events(single_run, "done")[0], events(tmp_path / "compiled", "done")[0]
     assert compiled["kept_layers"] == eager["kept_layers"]
-    for a, b in zip(events(tmp_path / "eager", "train"), events(tmp_path / "compiled", "train")):
+    for a, b in zip(events(single_run, "train"), events(tmp_path / "compiled", "train")):
         assert abs(a["loss"] - b["loss"]) < 1e-3
-    w, v = weights(tmp_path / "eager"), weights(tmp_path / "compiled")
+    w, v = weights(single_run), weights(tmp_path / "compiled")
     assert sorted(w) == sorted(v) and max((w[k] - v[k]).abs().max().item() for k in w) < 1e-4
 
 
-def test_until_stops_at_the_cut_and_resume_goes_on_as_one_run(make_tiny, corpus, tmp_path):
+def test_until_stops_at_the_cut_and_resume_goes_on_as_one_run(make_tiny, corpus, tmp_path, capsys, monkeypatch):
     """--until cut: the first T_M steps of the T-step run (its schedules), checkpointed, stopped.json
     written, nothing exported; --resume without it then goes on to T. On one given cache the two
     halves are the uninterrupted run: the same layers, losses and weights."""
     model = make_tiny("llama", L)
     cache = tmp_path / "cache"
-    subprocess.run([sys.executable, str(ROOT / "cache_teacher.py"), "--model", model, "--data", corpus,
-                    "--seq-len", "32", "--max-tokens", str(8 * 4 * 32), "--out", str(cache)], cwd=ROOT,
-                   check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    from cache_teacher import build_cache
+    build_cache(model, corpus, str(cache), seq_len=32, max_tokens=8 * 4 * 32)
     straight, halves = tmp_path / "straight", tmp_path / "halves"
-    run(tiny_args(model, corpus, straight, "--cache", str(cache)), tmp_path)
-    proc = run(tiny_args(model, corpus, halves, "--cache", str(cache), "--until", "cut"), tmp_path)
-    assert "stopped at step 4 of 8" in proc.stdout and not (halves / "model").exists()
+    run_here(tiny_args(model, corpus, straight, "--cache", str(cache)), tmp_path, monkeypatch)
+    capsys.readouterr()
+    run_here(tiny_args(model, corpus, halves, "--cache", str(cache), "--until", "cut"), tmp_path, monkeypatch)
+    assert "stopped at step 4 of 8" in capsys.readouterr().out and not (halves / "model").exists()
     stop = json.loads((halves / "stopped.json").read_text())
     search = events(halves, "search")
     assert [e["step"] for e in events(halves, "train")] == [1, 2, 3, 4]
@@ -758,7 +770,7 @@ def test_until_stops_at_the_cut_and_resume_goes_on_as_one_run(make_tiny, corpus,
     assert stop["kept_layers"] == events(straight, "pruned")[0]["kept"] and stop["layers_before"] == L
     (cut_val,) = [e for e in events(halves, "val") if e["when"] == "at pruning"]
     assert stop["step"] == 4 and stop["val_at_pruning"]["kd"] == round(cut_val["val_loss"], 4)
-    run(tiny_args(model, corpus, halves, "--cache", str(cache), "--resume"), tmp_path)
+    run_here(tiny_args(model, corpus, halves, "--cache", str(cache), "--resume"), tmp_path, monkeypatch)
     assert [e["loss"] for e in events(halves, "train")] == pytest.approx(
         [e["loss"] for e in events(straight, "train")], abs=1e-5)
     a, b = weights(straight), weights(halves)
@@ -766,10 +778,10 @@ def test_until_stops_at_the_cut_and_resume_goes_on_as_one_run(make_tiny, corpus,
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5, msg=key)
 
 
-def test_until_builds_a_cache_over_only_the_tokens_it_reads(make_tiny, corpus, tmp_path):
+def test_until_builds_a_cache_over_only_the_tokens_it_reads(make_tiny, corpus, tmp_path, monkeypatch):
     """With no --cache, a run stopped at the cut caches the teacher on the search's tokens only."""
     out = tmp_path / "run"
-    run(tiny_args(make_tiny("llama", L), corpus, out, "--until", "cut", "--search-batch-size", "2",
-                  "--micro-batch", "1", "--eval-every", "100"), tmp_path)
+    run_here(tiny_args(make_tiny("llama", L), corpus, out, "--until", "cut", "--search-batch-size", "2",
+                       "--micro-batch", "1", "--eval-every", "100"), tmp_path, monkeypatch)
     (meta,) = [json.loads(p.read_text()) for p in (tmp_path / "teacher").glob("*/meta.json")]
     assert meta["max_tokens"] == 4 * 2 * 32  # T_M steps x 2 sequences x 32 tokens

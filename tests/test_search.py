@@ -25,7 +25,7 @@ from cache_teacher import TeacherCache, build_cache
 from conftest import free_port, tiny_config, torchrun_failure
 from prune import plain_losses
 from surgery import decoder_layers
-from test_prune import corpus, events, kill_after_first_checkpoint, run  # noqa: F401  (corpus: a fixture)
+from test_prune import corpus, events, kill_after_first_checkpoint, run, run_here  # noqa: F401  (corpus: a fixture)
 
 V = 49152
 
@@ -340,16 +340,16 @@ def test_evo_search_removes_the_planted_identity_layers(planted, planted_cache):
     assert out["history"][0]["fitness"] > 1e-3  # the planted layers are the only free lunch
 
 
-def test_prune_py_gumbel_search_finds_the_planted_layers(planted, corpus, tmp_path):  # noqa: F811
+def test_prune_py_gumbel_search_finds_the_planted_layers(planted, corpus, tmp_path, monkeypatch):  # noqa: F811
     """prune.py as it is: random init (the planted layers start ranked highest among the free ones),
     weights frozen (--lr 0, so the identity layers stay the identity), the whole run a search."""
     path, identity = planted
     out = tmp_path / "run"
-    run(["--model", path, "--keep", str(L_PLANT - 2), "--init", "random", "--search", "gumbel",
-         "--data", corpus, "--seq-len", "32", "--batch-size", "4", "--micro-batch", "4",
-         "--steps", "60", "--search-frac", "1", "--lr", "0", "--warmup", "1", "--score-lr", "0.1",
-         "--n-calib", "2", "--eval-every", "100", "--ckpt-every", "100", "--out", str(out)],
-        tmp_path)
+    run_here(["--model", path, "--keep", str(L_PLANT - 2), "--init", "random", "--search", "gumbel",
+              "--data", corpus, "--seq-len", "32", "--batch-size", "4", "--micro-batch", "4",
+              "--steps", "60", "--search-frac", "1", "--lr", "0", "--warmup", "1", "--score-lr", "0.1",
+              "--n-calib", "2", "--eval-every", "100", "--ckpt-every", "100", "--out", str(out)],
+             tmp_path, monkeypatch)
     init = events(out, "importance")[0]["scores"]
     assert sorted(sorted(range(1, L_PLANT - 1), key=lambda i: -init[i])[:2]) == identity
     kept = json.loads((out / "model" / "pruning.json").read_text())["kept_layers"]
@@ -358,17 +358,18 @@ def test_prune_py_gumbel_search_finds_the_planted_layers(planted, corpus, tmp_pa
 
 # random end to end: slow (its logic: test_random_search_is_the_best_of_its_candidates)
 @pytest.mark.parametrize("method", ["evo", pytest.param("random", marks=pytest.mark.slow)])
-def test_prune_py_evo_and_random_search_find_the_planted_layers(method, planted, corpus, tmp_path):  # noqa: F811
+def test_prune_py_evo_and_random_search_find_the_planted_layers(method, planted, corpus, tmp_path,  # noqa: F811
+                                                                 monkeypatch):
     """prune.py --search evo|random: the layer set is chosen before training (scored against the cache
     prune.py builds), then fine-tuned; the forward tokens it spent are in pruning.json. Random draws
     more candidates than the 28 sets there are, so it sees them all: the best is the planted answer."""
     path, identity = planted
     out = tmp_path / method
-    run(["--model", path, "--keep", str(L_PLANT - 2), "--init", "random", "--search", method,
-         "--evo-generations", "12", "--evo-offspring", "6", "--evo-stages", "64:2,512:1",
-         "--random-candidates", "40", "--data", corpus, "--seq-len", "32", "--batch-size", "4",
-         "--micro-batch", "4", "--steps", "4", "--lr", "0", "--warmup", "1", "--n-calib", "2",
-         "--eval-every", "100", "--ckpt-every", "100", "--out", str(out)], tmp_path)
+    run_here(["--model", path, "--keep", str(L_PLANT - 2), "--init", "random", "--search", method,
+              "--evo-generations", "12", "--evo-offspring", "6", "--evo-stages", "64:2,512:1",
+              "--random-candidates", "40", "--data", corpus, "--seq-len", "32", "--batch-size", "4",
+              "--micro-batch", "4", "--steps", "4", "--lr", "0", "--warmup", "1", "--n-calib", "2",
+              "--eval-every", "100", "--ckpt-every", "100", "--out", str(out)], tmp_path, monkeypatch)
     meta = json.loads((out / "model" / "pruning.json").read_text())
     assert meta["kept_layers"] == [i for i in range(L_PLANT) if i not in identity]
     found = events(out, "layer_search")

@@ -130,21 +130,20 @@ def test_settings_llama_cpp_hard_codes_are_warned_dense_or_pruned():
         assert not any(text in n for n in serving_notes(config)), (family, serving_notes(config))
 
 
-def test_prune_py_prints_the_warning_before_any_work(tmp_path, tokenizer):
+def test_prune_py_prints_the_warning_before_any_work(tmp_path, tokenizer, capsys):
     """The warning comes before anything is read or written: here the run stops at once after it
-    (its --data does not exist)."""
-    import subprocess
-    import sys
-
-    from test_prune import ROOT
+    (its --data does not exist; the command line run in this process, through run_main)."""
+    import prune
+    import runtime
     AutoModelForCausalLM.from_config(tiny_config("smollm3", 6)).save_pretrained(tmp_path / "m")
     tokenizer.save_pretrained(tmp_path / "m")
-    proc = subprocess.run([sys.executable, str(ROOT / "prune.py"), "--model", str(tmp_path / "m"),
-                           "--layers", "0,2,3,5", "--steps", "0", "--init", "kl",
-                           "--data", str(tmp_path / "none.txt"), "--out", str(tmp_path / "o")],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert "warning: llama.cpp: smollm3" in proc.stdout and "[2, 3]" in proc.stdout, proc.stdout
-    assert proc.returncode == 2 and not (tmp_path / "o").exists()
+    argv = ["--model", str(tmp_path / "m"), "--layers", "0,2,3,5", "--steps", "0", "--init", "kl",
+            "--data", str(tmp_path / "none.txt"), "--out", str(tmp_path / "o")]
+    with pytest.raises(SystemExit) as e:
+        runtime.run_main(lambda: prune.main(argv))
+    out = capsys.readouterr().out
+    assert "warning: llama.cpp: smollm3" in out and "[2, 3]" in out, out
+    assert e.value.code == 2 and not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("keep, step", [([0, 1, 2, 3, 4, 5], 2), ([0, 3, 4, 5], 2), ([0, 2, 4, 5], 4),
