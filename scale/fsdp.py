@@ -100,8 +100,10 @@ def apply_activation_checkpointing(model, mode):
     compiler's partitioner applies the selective policy. The other order, a checkpoint around a
     compiled layer (transformers' own switch did that up to 5.17, wrapping the layer's __call__),
     fails under selective with inductor ("Tensor cached during selective activation checkpoint has been
-    mutated"). Forward hooks (FSDP2's gather, the search's gates) run outside the checkpoint, once;
-    FSDP2's pre-backward gather serves the recomputation. Call it before compile and parallelize."""
+    mutated"). Forward hooks (FSDP2's gather, the search's gates) run outside the checkpoint, once:
+    FSDP2's pre-backward gather serves the recomputation, and during the search each gate keeps its
+    layer's output for d out / d m (one residual-stream tensor a layer more than the checkpoint's
+    input). Call it before compile and parallelize."""
     from torch.utils.checkpoint import noop_context_fn
     if mode not in ("full", "selective"):
         raise ValueError(f"activation checkpointing is 'full' or 'selective', not {mode!r}")
