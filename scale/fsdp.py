@@ -37,6 +37,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 # FSDP2's interface for custom collectives (FSDPModule.set_custom_all_gather/_reduce_scatter)
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.utils.checkpoint import checkpoint, noop_context_fn
+from transformers.cache_utils import Cache
 
 from scale.vocab_parallel import add_rows, plain_lookup, vocab_parallel
 from surgery import decoder_layers
@@ -104,7 +106,6 @@ def apply_activation_checkpointing(model, mode):
     FSDP2's pre-backward gather serves the recomputation, and during the search each gate keeps its
     layer's output for d out / d m (one residual-stream tensor a layer more than the checkpoint's
     input). Call it before compile and parallelize."""
-    from torch.utils.checkpoint import noop_context_fn
     if mode not in ("full", "selective"):
         raise ValueError(f"activation checkpointing is 'full' or 'selective', not {mode!r}")
     context_fn = _save_matmuls if mode == "selective" else noop_context_fn
@@ -119,8 +120,6 @@ def _checkpointed(forward, context_fn, *args, **kwargs):
     come (validation, importance, no_grad) runs plain."""
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    from torch.utils.checkpoint import checkpoint
-    from transformers.cache_utils import Cache
     # no KV cache (whatever its keyword's name): the recomputation would append to it a second time
     kwargs = {k: None if isinstance(v, Cache) or k == "layer_past" else False if k == "use_cache" else v
               for k, v in kwargs.items()}
