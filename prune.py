@@ -24,7 +24,6 @@ is a name in a registry, the paper's beside the baselines' (baselines/, imported
 IMPORTANCE (--init), SEARCHES (--search), kd.LOSSES (--loss, --search-loss); a fork adds its own.
 """
 import argparse
-import contextlib
 import hashlib
 import importlib
 import json
@@ -268,7 +267,7 @@ def plain_losses(vocab, autocast=False):
     """losses(model, batch, kinds): kd.LOSSES[kind] of the student's logits, one forward for all the
     kinds asked, over the tokenizer's ids (some checkpoints pad the embedding); autocast: bf16."""
     def losses(model, batch, kinds):
-        with torch.autocast("cuda", torch.bfloat16) if autocast else contextlib.nullcontext():
+        with torch.autocast(batch["input_ids"].device.type, torch.bfloat16, enabled=autocast):
             logits = model(input_ids=batch["input_ids"], use_cache=False).logits[..., :vocab]
         # "weight": a micro-batch's share of the step's loss (the training loop's; else 1)
         return [kd.LOSSES[kind](logits, batch) * batch.get("weight", 1) for kind in kinds]
