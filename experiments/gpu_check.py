@@ -253,7 +253,8 @@ def run_first(out, tiny):
 def main(argv=None):
     args = parse_args(argv)
     out, work = Path(args.out), Path(args.work or tempfile.mkdtemp())
-    out.mkdir(parents=True, exist_ok=True)
+    for folder in (out, work):
+        folder.mkdir(parents=True, exist_ok=True)
     records = []
     for part in args.parts.split(","):
         t0 = time.time()
