@@ -105,3 +105,71 @@ def bytes_a_token(argv, out, seq_len, micro_batches=(1, 2)):
     runs = [measure_run([*argv, "--micro-batch", str(m), "--out", str(Path(out) / f"mb{m}")])
             for m in micro_batches]
     return {phase: (runs[1][phase] - runs[0][phase]) / ((b - a) * seq_len) for phase in runs[0]}
+
+
+ARCHS = ("llama", "qwen3", "gemma3_text", "qwen3_moe")
+MODES = ("none", "selective", "full")
+
+
+def tiny_folder(arch, out):
+    """A 6-layer random model of `arch` (tests/conftest.py's tiny_config) with the demo's tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import tiny_config
+    from demo import default_model
+    path = Path(out) / f"model-{arch}"
+    if not (path / "config.json").exists():
+        cfg = tiny_config(arch, 6)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+        AutoTokenizer.from_pretrained(default_model()).save_pretrained(path)
+    return str(path)
+
+
+@contextlib.contextmanager
+def autocast_here(on):
+    """prune.py's losses with bf16 autocast on this device (a GPU process's precision on a CPU)."""
+    import prune
+    make = prune.make_losses
+    if on:
+        prune.make_losses = lambda args, vocab, world: prune.plain_losses(vocab, autocast=True)
+    try:
+        yield
+    finally:
+        prune.make_losses = make
+
+
+def main(argv=None):
+    import runtime
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", default=",".join(ARCHS))
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--compile", default="0,1", help="0 eager, 1 compiled (comma-separated)")
+    p.add_argument("--dtype", default="fp32,bf16")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--out", default=None, help="work folder (default: a temporary one)")
+    a = p.parse_args(argv)
+    work = Path(a.out or tempfile.mkdtemp())
+    plays = sorted(Path(runtime.default_corpus()).rglob("*.md"))
+    corpus = work / "play.txt"
+    corpus.write_text(plays[0].read_text()[:120_000])
+    import prune
+    prune.TEACHER_CACHE_DIR = work / "teacher"
+    for arch in a.arch.split(","):
+        model = tiny_folder(arch, work)
+        for dtype in a.dtype.split(","):
+            for compiled in a.compile.split(","):
+                for mode in a.modes.split(","):
+                    argv = ["--model", model, "--keep", "4", "--data", str(corpus), "--seq-len",
+                            str(a.seq_len), "--batch-size", "4", "--steps", "4", "--search-frac", "0.5",
+                            "--warmup", "1", "--n-calib", "2", "--eval-every", "4", "--ckpt-every", "100",
+                            "--activation-checkpointing", mode, "--compile" if compiled == "1" else "--no-compile"]
+                    with autocast_here(dtype == "bf16"):
+                        got = bytes_a_token(argv, work / f"{arch}-{dtype}-{compiled}-{mode}", a.seq_len, (1, 4))
+                    print(json.dumps({"arch": arch, "dtype": dtype, "compiled": compiled == "1", "mode": mode,
+                                      **{k: round(v, 1) for k, v in got.items()}}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

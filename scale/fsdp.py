@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 # FSDP2's interface for custom collectives (FSDPModule.set_custom_all_gather/_reduce_scatter)
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-from torch.utils.checkpoint import checkpoint, noop_context_fn
+from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import Cache
 
 from scale.vocab_parallel import add_rows, plain_lookup, vocab_parallel
@@ -108,14 +108,15 @@ def apply_activation_checkpointing(model, mode):
     input). Call it before compile and parallelize."""
     if mode not in ("full", "selective"):
         raise ValueError(f"activation checkpointing is 'full' or 'selective', not {mode!r}")
-    context_fn = _save_matmuls if mode == "selective" else noop_context_fn
+    # full: checkpoint's own default context (dynamo cannot trace its noop_context_fn handed in)
+    context = {"context_fn": _save_matmuls} if mode == "selective" else {}
     for layer in decoder_layers(model):
         # a partial of the bound forward: copy.deepcopy of the model rebinds it to the copy's layer
-        layer.forward = functools.partial(_checkpointed, layer.forward, context_fn)
+        layer.forward = functools.partial(_checkpointed, layer.forward, context)
     return model
 
 
-def _checkpointed(forward, context_fn, *args, **kwargs):
+def _checkpointed(forward, context, *args, **kwargs):
     """One layer's forward under torch.utils.checkpoint (non-reentrant); a forward with no backward to
     come (validation, importance, no_grad) runs plain."""
     if not torch.is_grad_enabled():
@@ -123,7 +124,7 @@ def _checkpointed(forward, context_fn, *args, **kwargs):
     # no KV cache (whatever its keyword's name): the recomputation would append to it a second time
     kwargs = {k: None if isinstance(v, Cache) or k == "layer_past" else False if k == "use_cache" else v
               for k, v in kwargs.items()}
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **context, **kwargs)
 
 
 def _save_matmuls():

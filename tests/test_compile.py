@@ -1,5 +1,5 @@
 """scale/compile.py: decoder layers compiled in place train as the eager model does (losses and gradients
-within 1e-3 on a tiny random Llama, alone and under selective activation checkpointing), one graph for all
+within 1e-3 on a tiny random Llama, alone and under selective and full activation checkpointing), one graph for all
 the layers, the state-dict names unchanged. The default run compiles with aot_eager (AOTAutograd's graphs,
 no code generation: seconds); `-m slow` with inductor, the backend a GPU run uses."""
 import copy
@@ -53,7 +53,7 @@ def check_compiled_trains_as_eager(backend, checkpointing=None):
         torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("checkpointing", [None, "selective"])
+@pytest.mark.parametrize("checkpointing", [None, "selective", "full"])
 def test_compiled_layers_train_as_eager(checkpointing):
     check_compiled_trains_as_eager("aot_eager", checkpointing)
 
