@@ -51,6 +51,7 @@ def layer_growth(layers, record):
     marks = []
 
     def pre(i):
+        @torch.compiler.disable  # run as written beside a compiled layer, never traced into it
         def hook(module, args):
             if torch.is_grad_enabled():
                 if i == 0:
@@ -58,6 +59,7 @@ def layer_growth(layers, record):
                 marks.append(host_bytes())
         return hook
 
+    @torch.compiler.disable
     def post(module, args, output):
         if torch.is_grad_enabled() and len(marks) == len(layers):
             record.append(marks + [host_bytes()])
@@ -79,9 +81,11 @@ def per_layer(marks):
 def measure_run(argv):
     """prune.main(argv), its train_step wrapped: {"search": bytes, "finetune": bytes} a layer kept
     for the backward, each from the last step of its phase (a compiled layer compiles in its first)."""
+    import torch
     import prune
     from surgery import decoder_layers
     seen, step = {}, prune.train_step
+    torch._dynamo.reset()  # a run compiles afresh: the graphs of earlier runs count to no limit
 
     def measured_step(model, opt, losses, batches, kind, t, args, gates=None, draw=None):
         record = []
@@ -151,6 +155,7 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="work folder (default: a temporary one)")
     a = p.parse_args(argv)
     work = Path(a.out or tempfile.mkdtemp())
+    work.mkdir(parents=True, exist_ok=True)
     plays = sorted(Path(runtime.default_corpus()).rglob("*.md"))
     corpus = work / "play.txt"
     corpus.write_text(plays[0].read_text()[:120_000])

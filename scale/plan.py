@@ -52,35 +52,48 @@ eager: chunks of 256 tokens run at 0.79x the plain head's tok/s, 1024 at 0.92x, 
 it is made as large as it may be, up to half a micro-batch's tokens: the fused head still holds at
 most half the logits the plain one would. On a CPU (no card) 256: there a chunk costs its matmul.
 
-Activation bytes a token and layer (Llama-style layers: RMSNorms, attention by SDPA/flash with no
-(s x s) scores kept, a gated MLP; d hidden, q = heads x head_dim, k = kv heads x head_dim, I the MLP's
-intermediate size, h heads, r the residual stream's bytes):
+Activation bytes a token and decoder layer (layer_bytes, read off the model's modules on the meta
+device; d hidden, q = heads x head_dim, k = kv heads x head_dim, I the MLP's intermediate size (a
+MoE layer: top-k x the expert's), h heads; r the residual stream's bytes, c the matmuls'):
 
-    none         2 (4 d + r d) + 4 q + 4 k + 4 h + 8 I + 8  (+ 10 d when r = 4: autocast's bf16
-                 copy of each linear's fp32 input)
-                 each norm: its fp32 upcast, its output and its fp32 1 / rms; q and k after RoPE, v,
-                 SDPA's output and log-sum-exp; the MLP's gate, SiLU(gate), up and their product
-    selective    r d + 4 d + 4 q + 4 k + 4 h + 4 I   torchtitan's op-level policy: the layer's
-                 input and every matmul's bf16 output (q, k, v, o; gate, up, down), SDPA's output
-                 and log-sum-exp; norms, RoPE and SiLU recomputed
+    none         2 (4 d + r d + 4)      each pre-norm: x in fp32, 1 / rms, the normed x cast back
+                 + 5 c d or 2 r d       autocast (c < r): each linear's own bf16 copy of its
+                                        input (q, k, v; gate, up); else the norms' outputs
+                 + c (2 q + 2 k) + 4 h  q and k after RoPE, v, SDPA's output, its fp32 LSE
+                 + 4 c I                the MLP's gate, act(gate), up, their product
+                 (q/k norms: + (4 + c)(q + k) + 4 (h + kv heads); Gemma's (1 + w) norms: 8 d + 4
+                 each of four; routed experts: + top-k (2 c d + 12) + 4 E: each copy's input and
+                 output, its weight and index, the router's probabilities)
+    selective    r d + c (q + 2 k + d) + c q + 4 h + c (2 I + d)   torchtitan's op-level policy:
+                 the layer's input and every matmul's output (q, k, v, o; gate, up, down; a MoE's
+                 router), SDPA's output and LSE; norms, RoPE and SiLU recomputed
     full         r d   the layer's input alone, the whole layer recomputed in the backward
+    search       + r d  on each: the gate of eq. 1 keeps its layer's output (d out / d m)
+
+Compiled (torch.compile's partitioner, each layer one graph): without checkpointing a norm keeps
+only its input and 1 / rms (the normed x, the casts and the outputs recomputed), the second
+norm's input taken as the attention's c-byte output (min(r, c) d); with selective checkpointing
+the down projection's output goes in fp32 (nothing needs it) and, under autocast, the fp32
+residual after the attention is kept (r d more); full as eager.
 
 The residual stream, r: bf16 (2) under FSDP2, as torchtitan keeps it: its MixedPrecisionPolicy
 casts each layer's input to bf16 and the layer's norms and adds then run in bf16 (its output is
 bf16: checked on a CPU, gloo, a tiny Llama fully_shard-ed with param_dtype bf16); fp32 (4) in one
 process, autocast over fp32 master weights (autocast casts a matmul's inputs, never the stream: its
-adds and norms stay fp32, as mixed precision intends). (Korthikanti et al., "Reducing Activation
-Recomputation in Large Transformer Models", arXiv 2205.05198, count the same way for GPT's layers:
-34 d + 5 h s bytes in bf16.)
+adds and norms stay fp32, as mixed precision intends). The plan takes c = 2 (a GPU's bf16); a CPU
+run, fp32, is c = 4. (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models", arXiv 2205.05198, count the same way for GPT's layers: 34 d + 5 h s bytes in bf16.)
 
-The fit: experiments/gpu_bench.py measures the bytes two depths of one shape leave allocated after a
-forward, over the tokens and the layers between them (probe_bytes is this model of that number: the
-formula, and in one process without checkpointing autocast's bf16 weight copies, 2 B a layer's
-matmul weight over the probe's tokens). One H200, the 7b8 shape (Llama-2-7B's layers, 4,096 tokens),
-one process: none 326,280 measured, 326,280 modelled (227,464 activations + 98,816 weight copies);
-selective 109,696 and 109,696; full 16,384 and 16,384. Where experiments/gpu_bench.json holds the
-probe of the plan's own path, each mode's formula is scaled by its measured / modelled. Likewise
-MFU: the bench's, else ASSUMED_MFU; checkpointing's recomputation slows a step by its measured tok/s
+Fitted to no measurement; checked against two: experiments/step_memory.py measures what prune.py's
+own training step keeps on a CPU (the host bytes each layer leaves alive, search and fine-tune,
+after KL importance) for Llama, Qwen3, Gemma-3 and a MoE, each mode, eager and compiled, fp32 and
+bf16 autocast (experiments/step_memory.jsonl; tests/test_step_memory.py); and the bench's probe on
+one H200 (experiments/gpu_bench.py --activations: the bytes two depths of the 7b8 shape leave
+allocated after a forward, eager; probe_bytes adds autocast's bf16 weight copies in one process
+without checkpointing): one process none 326,280 measured, 326,280 modelled (227,464 activations +
+98,816 weight copies), selective 109,696 and 109,696, full 16,384 and 16,384; FSDP2 none 186,504
+and 186,504, selective 101,504 and 101,504 (full: the probe measured nothing).
+The MFU: the bench's, else ASSUMED_MFU; checkpointing's recomputation slows a step by its measured tok/s
 ratio, else by RECOMPUTE (full: 8 instead of 6 FLOPs a parameter). A run compiles on a GPU unless
 --no-compile (prune.py), so the plan's hours are at the compiled MFU.
 """
@@ -173,17 +186,57 @@ def peak_flops(device_name):
 # -----------------------------------------------------------------------------
 # Memory
 
-def activation_formula(cfg, mode, residual_bytes=2):
-    """Bytes a token and decoder layer keeps for the backward (the module's docstring)."""
+def activation_formula(model, mode, residual_bytes=2, compute_bytes=2, compiled=False, search=False):
+    """Bytes a token and decoder layer keeps for the backward (the module's docstring), the mean of
+    layer_bytes over the model's layers (on the meta device: read off its modules); search: with
+    the gate of eq. 1, which keeps its layer's output for d out / d m."""
+    layers, cfg = decoder_layers(model), text_config(model)
+    total = sum(layer_bytes(layer, cfg, mode, residual_bytes, compute_bytes, compiled) for layer in layers)
+    return total / len(layers) + (residual_bytes * cfg.hidden_size if search else 0)
+
+
+def layer_bytes(layer, cfg, mode, r, c, compiled=False):
+    """One decoder layer's bytes a token for the backward (the module's docstring, term by term): r
+    the residual stream's bytes, c the matmuls' (2: bf16 by autocast or FSDP2's policy; 4: fp32)."""
     d, h = cfg.hidden_size, cfg.num_attention_heads
-    q, r = attention_width(cfg), residual_bytes
-    k = (getattr(cfg, "num_key_value_heads", None) or h) * q // h
-    inter = cfg.intermediate_size
+    q = attention_width(cfg)
+    hk = getattr(cfg, "num_key_value_heads", None) or h
+    k = hk * q // h
     if mode == "full":
         return r * d
-    if mode == "selective":
-        return r * d + 4 * d + 4 * q + 4 * k + 4 * h + 4 * inter
-    return 2 * (4 * d + r * d) + 4 * q + 4 * k + 4 * h + 8 * inter + 8 + (10 * d if r == 4 else 0)
+    attn, mlp = layer.self_attn, layer.mlp
+    gemma = hasattr(layer, "pre_feedforward_layernorm")  # sandwich norms, Gemma's (1 + w) RMSNorm
+    experts = getattr(mlp, "experts", None)
+    if experts is not None:  # routed experts: E router logits; each of a token's top-k copies
+        E, top = cfg.num_experts, cfg.num_experts_per_tok
+        inter = top * getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    else:
+        inter = cfg.intermediate_size
+    sdpa = c * q + 4 * h  # SDPA's output, and its fp32 log-sum-exp
+    autocast = c < r  # one process: every linear casts its fp32 input, a bf16 copy each
+    if mode == "selective":  # the input and every matmul's output: q k v o, the MLP's three, SDPA
+        down = c * d * (top if experts is not None else 1)
+        kept = (r * d + c * (q + 2 * k + d) + sdpa + c * 2 * inter + down
+                + (c * E if experts is not None else 0))
+        if compiled:  # the partitioner: fp32, the last matmul's output (nothing needs it) goes;
+            kept += r * d if autocast else -down  # under autocast the fp32 residual after attention
+        return kept
+
+    if gemma:  # x.float() and its normed fp32 copy, 1 / rms; two pre-norms and two post-norms
+        norms = 2 * (8 * d + 4) + 2 * (8 * d + 4)
+    else:  # x in fp32, 1 / rms, the normed x cast back (r bytes); each pre-norm
+        norms = 2 * (4 * d + r * d + 4)
+    if compiled:  # the partitioner recomputes a norm from its input and 1 / rms; the second's
+        norms = r * d + min(r, c) * d + 8  # input (the residual) from the bf16 attention output
+    linears = (3 + (1 if experts is not None else 2)) if autocast else 0  # q k v; gate up (router)
+    outputs = (linears * c * d if autocast else 2 * r * d) if not compiled else 0
+    qk_norms = 0
+    if hasattr(attn, "q_norm"):  # per head: the projection in fp32, its normed copy, 1 / rms
+        qk_norms = (8 if gemma else 4 + c) * (q + k) + 4 * (h + hk)
+    mlp_bytes = 4 * c * inter  # gate, act(gate), up, their product
+    if experts is not None:  # + each copy's input and output, the router's probabilities
+        mlp_bytes += top * (2 * c * d + 4 + 8) + 4 * E
+    return norms + outputs + qk_norms + c * (2 * q + 2 * k) + 4 * h + mlp_bytes  # + q k v into SDPA
 
 
 def residual_bytes(fsdp):
@@ -196,7 +249,7 @@ def probe_bytes(model, mode, fsdp, tokens):
     and in one process without checkpointing the bf16 copy of a layer's matmul weights autocast
     keeps for the backward, spread over the probe's tokens (under FSDP2 the gathered bf16 weights
     are freed after each layer's forward; under checkpointing the recomputation casts again)."""
-    act = activation_formula(text_config(model), mode, residual_bytes(fsdp))
+    act = activation_formula(model, mode, residual_bytes(fsdp))
     layers = decoder_layers(model)
     copies = 2 * matmul_params(p for layer in layers for p in layer.parameters()) / len(layers)
     return act + (copies / tokens if mode == "none" and not fsdp else 0)
@@ -207,16 +260,11 @@ def load_bench(path=BENCH_JSON):
     return json.loads(Path(path).read_text()) if Path(path).exists() else {}
 
 
-def activation_bytes(cfg, mode, fsdp, measured):
-    """(bytes a token and layer, source): the formula, scaled by measured / modelled of the bench's
-    probe of the same path (FSDP2 or one process) and mode, where the bench has one that measured
-    something (a deeper model leaving no more allocated than a shallower one measured nothing)."""
-    formula = activation_formula(cfg, mode, residual_bytes(fsdp))
-    found = measured.get("activations", {}).get("fsdp" if fsdp else "plain", {}).get(mode)
-    if not (found and (found.get("measured") or 0) > 0):
-        return formula, "formula"
-    scale = found["measured"] / found["formula"]
-    return formula * scale, f"formula x {scale:.3f} measured"
+def activation_bytes(model, mode, fsdp, compiled=False, search=True):
+    """Bytes a token and layer in a training step on a GPU (bf16 matmuls; the residual stream bf16
+    under FSDP2, fp32 in one process), in the search with the gates: the formula, fitted to no
+    measurement (experiments/step_memory.py and the bench's probes check it)."""
+    return activation_formula(model, mode, residual_bytes(fsdp), 2, compiled, search)
 
 
 def state_bytes(params, ranks):
@@ -254,8 +302,9 @@ def memory(args, model, ranks, micro_batch, mode, measured=None, chunk=None):
     tokens, V, d = micro_batch * args.seq_len, cfg.vocab_size, cfg.hidden_size
     fsdp = ranks > 1
     chunk = args.logit_chunk if chunk is None else chunk
-    act, _ = activation_bytes(cfg, mode, fsdp, measured)
-    recompute = activation_bytes(cfg, "none", fsdp, measured)[0] if mode != "none" else 0
+    compiled = bool(getattr(args, "compile", False))
+    act = activation_bytes(model, mode, fsdp, compiled)
+    recompute = activation_bytes(model, "none", fsdp, compiled, search=False) if mode != "none" else 0
     K = 0 if args.targets == "sampled" else args.topk
     N = 0 if args.targets == "topk" else args.samples
     return {
@@ -432,12 +481,12 @@ def plan(args, model, L, ranks, cache_bytes=None, measured=None, gpu="H100", kin
     measured = load_bench() if measured is None else measured
     kinds = cards() if kinds is None else kinds
     train_flops, cache_flops, tokens = run_flops(args, model, L)
-    act = {mode: activation_bytes(text_config(model), mode, ranks > 1, measured) for mode in MODES}
+    compiled = bool(getattr(args, "compile", False))
+    act = {mode: activation_bytes(model, mode, ranks > 1, compiled) for mode in MODES}
     lines = [f"plan: training {train_flops:.3g} FLOP ({args.search_steps} search steps at {L} "
              f"layers, {args.steps - args.search_steps} at {args.keep}), teacher cache "
              f"{cache_flops:.3g} FLOP (its forward over the {tokens:,} tokens); activations a token "
-             f"and layer: " + ", ".join(f"{mode} {b / 1e3:.1f} KB ({source})"
-                                        for mode, (b, source) in act.items())
+             f"and layer in the search: " + ", ".join(f"{mode} {b / 1e3:.1f} KB" for mode, b in act.items())
              + f"; {'compiled' if getattr(args, 'compile', False) else 'eager'}"]
     by_kind = {}
     for kind, card in kinds.items():
@@ -451,7 +500,7 @@ def plan(args, model, L, ranks, cache_bytes=None, measured=None, gpu="H100", kin
                **{k: {kind: e[k] for kind, e in by_kind.items()} for k in per_kind},
                "by_kind": by_kind, "measured_on": measured.get("device"),
                "compile": bool(getattr(args, "compile", False)),
-               "activation_bytes": {mode: round(b) for mode, (b, _) in act.items()}}
+               "activation_bytes": {mode: round(b) for mode, b in act.items()}}
     if cache_bytes is not None:
         summary["cache_gb"] = round(cache_bytes / GB, 2)
     return lines, summary

@@ -28,3 +28,35 @@ def test_full_checkpointing_keeps_a_layers_input_alone_after_importance(make_tin
                                  "--activation-checkpointing", "full"), tmp_path, SEQ, (1, 4))
     assert got["finetune"] == pytest.approx(4 * d, rel=0.05)
     assert got["search"] == pytest.approx(2 * 4 * d, rel=0.05)
+
+
+# Every family's layer in every mode; the compiled and bf16 paths on Llama and Qwen3 (a GPU run's:
+# compiled, bf16 autocast over fp32 weights)
+CASES = ([(arch, mode, False, "fp32") for arch in ("llama", "qwen3", "gemma3_text", "qwen3_moe")
+          for mode in ("none", "selective", "full")]
+         + [(arch, mode, True, "bf16") for arch in ("llama", "qwen3") for mode in ("none", "selective")])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, mode, compiled, dtype", CASES)
+def test_the_plans_activation_model_within_10_percent(make_tiny, corpus, tmp_path, monkeypatch,
+                                                      arch, mode, compiled, dtype):
+    """scale.plan's activation bytes a token and layer (fitted to no measurement) against what the
+    training step keeps, measured, in the search (the gates' outputs too) and in the fine-tune."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import prune
+    from experiments.step_memory import autocast_here
+    from scale.plan import activation_formula
+    monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
+    model = make_tiny(arch, 6)
+    with autocast_here(dtype == "bf16"):
+        got = bytes_a_token(run_args(model, corpus, "--activation-checkpointing", mode,
+                                     "--compile" if compiled else "--no-compile"), tmp_path, SEQ, (1, 4))
+    with torch.device("meta"):
+        shape = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    c = 2 if dtype == "bf16" else 4
+    for phase in ("search", "finetune"):
+        want = activation_formula(shape, mode, 4, c, compiled, search=phase == "search")
+        assert got[phase] == pytest.approx(want, rel=0.1), phase
