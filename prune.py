@@ -48,7 +48,8 @@ from runtime import (E3Error, HelpFormatter, barrier, init_distributed, load_mod
                      print0, run_main)
 from sampler import gumbel_noise, gumbel_topk, k_schedule, score_lr_schedule, tau_schedule
 from surgery import (LayerGates, LayerSearch, check_removable, decoder_layers, export_pruned,
-                     keep_mask, kl_importance, protected_layers, remove_layers, serving_notes)
+                     keep_mask, kl_importance, protected_layers, remove_layers, sequences_read,
+                     serving_notes)
 
 # -----------------------------------------------------------------------------
 # Settings: the paper's (Appendix E, Llama-2-7B's column) are every flag's default. "T/20" is a
@@ -232,12 +233,6 @@ def make_optimizer(model, args, carried=None):
 
 # -----------------------------------------------------------------------------
 # Data and loss
-
-def sequences_read(step, args):
-    """The sequences steps 1..step read: the search's at --search-batch-size, the rest at --batch-size."""
-    search = min(step, args.search_steps)
-    return search * args.search_batch_size + (step - search) * args.batch_size
-
 
 def batch_indices(step, args, n, rank, world):
     """This rank's share of global batch `step`, the next slice of a seeded permutation (one an epoch,
@@ -542,11 +537,9 @@ def resolve_args(args, world, cache=None):
     args.until = args.search_steps if args.until == "cut" else min(int(args.until or args.steps), args.steps)
     if args.plan:  # the plan picks them for each kind of GPU
         return
-    if torch.cuda.is_available() and None in (args.micro_batch, args.activation_checkpointing,
-                                              args.logit_chunk):
+    if torch.cuda.is_available() or world > 1:  # a GPU's memory, the fused head above one rank
         from scale.plan import pick_for_card
         pick_for_card(args, world)
-    args.logit_chunk = 256 if args.logit_chunk is None else args.logit_chunk  # > 1 CPU rank
     args.micro_batch = args.micro_batch or 1
     args.activation_checkpointing = args.activation_checkpointing or "none"
 
@@ -696,12 +689,8 @@ def main(argv=None):
     args = parse_args(argv)
     args.model = resolve_model(args.model)
     if args.plan:  # --plan RANKS: from config.json (and a --cache's meta.json) alone, checked as a run
-        from scale.plan import cache_meta, meta_model, print_plan
-        resolve_args(args, args.plan, cache_meta(args.cache))
-        shape, bytes_a_token = meta_model(args)  # on the meta device
-        check_args(args, shape.config, len(decoder_layers(shape)), args.plan)
-        return print_plan(args, shape, bytes_a_token, registered(SEARCHES, args.search),
-                          schedule_line(args, args.plan))
+        from scale.plan import print_plan
+        return print_plan(args, resolve_args, check_args, registered(SEARCHES, args.search), schedule_line)
 
     # ================================ SETUP ================================
     t0 = time.time()

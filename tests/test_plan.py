@@ -342,3 +342,24 @@ def test_a_plan_for_a_given_cache_takes_its_sequence_length_and_targets(tmp_path
     out = capsys.readouterr().out
     assert "128 x 2048 tokens a step" in out
     assert json.loads(out.strip().splitlines()[-1])["tokens"] == 10 * 128 * 2048
+
+
+
+def test_the_plans_json_states_every_rate_its_hours_use(tmp_path, capsys):
+    """`prune.py --plan 8` for Qwen3-32B with the bench's measurements (experiments/gpu_bench.json):
+    each kind's hours are recomputed here from the JSON's own fields, the training's FLOPs at its
+    MFU and the teacher cache's at its own, on ranks x the card's dense bf16 peak (H100 and H200
+    989, A100 312 TFLOP/s: the vendors' sheets)."""
+    import json
+    from transformers import AutoConfig
+    cfg = dict(QWEN3_32B)
+    AutoConfig.for_model(cfg.pop("model_type"), **cfg).save_pretrained(tmp_path)
+    prune.main(["--model", str(tmp_path), "--keep", "48", "--plan", "8"])
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {k: s["peak_flops"][k] for k in ("H100", "H200", "A100")} == {
+        "H100": 989e12, "H200": 989e12, "A100": 312e12}
+    for kind in ("H100", "H200", "A100"):
+        seconds = (s["train_flops"] / s["mfu"][kind] + s["cache_flops"] / s["cache_mfu"][kind]) / (
+            s["ranks"] * s["peak_flops"][kind])
+        assert s["hours"][kind] == pytest.approx(seconds / 3600, abs=1e-3)
+        assert s["gpu_hours"][kind] == pytest.approx(8 * seconds / 3600, abs=0.01)
