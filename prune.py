@@ -48,8 +48,8 @@ from runtime import (E3Error, HelpFormatter, barrier, init_distributed, load_mod
                      print0, run_main)
 from sampler import gumbel_noise, gumbel_topk, k_schedule, score_lr_schedule, tau_schedule
 from surgery import (LayerGates, LayerSearch, check_removable, decoder_layers, export_pruned,
-                     keep_mask, kl_importance, protected_layers, remove_layers, sequences_read,
-                     serving_notes)
+                     keep_mask, kl_importance, micro_batch_problem, protected_layers, remove_layers,
+                     sequences_read, serving_notes)
 
 # -----------------------------------------------------------------------------
 # Settings: the paper's (Appendix E, Llama-2-7B's column) are every flag's default. "T/20" is a
@@ -566,13 +566,8 @@ def check_args(args, config, L, world, vocab=0):
                       "process on the plain logits path (--logit-chunk 0): the teacher beside it")
     if args.plan:  # a plan is for any world: the rest is checked when the run starts
         return protected
-    for flag, batch in ("--batch-size", args.batch_size), ("--search-batch-size", args.search_batch_size):
-        if batch % (world * args.micro_batch):
-            raise E3Error(f"{flag} {batch} must be a multiple of ranks x --micro-batch ({world} x "
-                          f"{args.micro_batch})")
-    if (args.search_batch_size // args.micro_batch) % args.masks_per_step:
-        raise E3Error(f"--masks-per-step {args.masks_per_step} must divide a search step's "
-                      f"{args.search_batch_size // args.micro_batch} micro-batches")
+    if problem := micro_batch_problem(args, world, args.micro_batch):
+        raise E3Error(problem)
     check_removable(config, args.layers)  # a layout the config cannot express: stop now
     for note in serving_notes(config, args.layers):  # where an engine would differ
         print0(f"warning: {note}")

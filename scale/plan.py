@@ -94,7 +94,7 @@ import torch
 
 from runtime import print0
 from scale.fsdp import meta_model
-from surgery import decoder_layers, sequences_read
+from surgery import decoder_layers, micro_batch_problem, sequences_read
 
 GB, MiB = 1e9, 2**20
 # dense bf16 peak (no sparsity) and memory (nvidia-smi's memory.total, = cudaMemGetInfo's total) of
@@ -272,13 +272,14 @@ def memory(args, model, ranks, micro_batch, mode, measured=None, chunk=None):
 def choose(args, model, ranks, card_bytes, measured=None):
     """The run's micro-batch, checkpointing and the fused head's chunk on `ranks` cards of card_bytes
     each: checkpointing only when memory needs it (none, then selective, then full), with it the
-    largest micro-batch (a divisor of the batch a rank runs) that fits USABLE of the card, and
-    with that the largest chunk (chunk_sizes: the fused head, where --logit-chunk is unset, above
-    one rank: prune.py sets 0 for one); a --micro-batch, --activation-checkpointing or
+    largest micro-batch that runs every step (surgery.micro_batch_problem: it divides the search's
+    batch and the fine-tune's on a rank, and splits among --masks-per-step) and fits USABLE of the
+    card, and with that the largest chunk (chunk_sizes: the fused head, where --logit-chunk is
+    unset, above one rank: prune.py sets 0 for one); a --micro-batch, --activation-checkpointing or
     --logit-chunk given is kept. Returns (micro_batch, mode, chunk, memory by part); (None, None,
     None, the smallest run's memory) where nothing fits."""
-    per_rank = args.batch_size // ranks
-    sizes = [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
+    sizes = [m for m in range(args.batch_size // ranks, 0, -1)
+             if not micro_batch_problem(args, ranks, m)] or [1]  # none: prune.py's check says why
     sizes = [args.micro_batch] if getattr(args, "micro_batch", None) else sizes
     modes = [args.activation_checkpointing] if getattr(args, "activation_checkpointing", None) else MODES
     for mode in modes:
@@ -293,9 +294,9 @@ def choose(args, model, ranks, card_bytes, measured=None):
 
 
 def min_ranks(args, model, ranks, card_bytes, measured=None):
-    """The fewest ranks above `ranks` (a divisor of the batch, as prune.py requires) on which a run
+    """The fewest ranks above `ranks` (dividing every batch, as prune.py requires) on which a run
     fits, or None."""
-    return next((n for n in range(ranks + 1, args.batch_size + 1) if args.batch_size % n == 0
+    return next((n for n in range(ranks + 1, args.batch_size + 1) if not micro_batch_problem(args, n, 1)
                  and choose(args, model, n, card_bytes, measured)[0]), None)
 
 
