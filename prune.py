@@ -236,8 +236,9 @@ def make_optimizer(model, args, carried=None):
 
 def batch_indices(step, args, n, rank, world):
     """This rank's share of global batch `step`, the next slice of a seeded permutation (one an epoch,
-    each seed's own): a pure function of (seed, step), the same batches after any resume, any ranks."""
+    each seed's own) of the n rows, at most the budget's: the same after any resume, ranks, cache."""
     batch = args.search_batch_size if step < args.search_steps else args.batch_size
+    n = min(n, sequences_read(args.steps, args))
     epoch, offset = divmod(sequences_read(step, args), n)
     idx = []
     while len(idx) < batch:  # a batch past the epoch's end goes on into the next
@@ -483,10 +484,9 @@ def run_identity(args):
 # The teacher cache and the plan
 
 def build_teacher_cache(args, tok, data=None, tokens=None):
-    """The teacher's targets for `tokens` training tokens of `data` (default: this run's budget of
-    --data), in a folder keyed by everything they depend on, built now, before the student exists:
-    the teacher and the student are never in memory together."""
-    data, tokens = data or args.data, tokens or sequences_read(args.until, args) * args.seq_len
+    """The teacher's targets for `tokens` training tokens of `data` (default: the whole run's, --until
+    or not), keyed by all they depend on, built before the student exists: never both in memory."""
+    data, tokens = data or args.data, tokens or sequences_read(args.steps, args) * args.seq_len
     if tokens == 0:  # nothing to train (--steps 0): calibration reads --data
         return None
     ident = {**model_fingerprint(args.model), "seq_len": args.seq_len, "topk": args.topk,
@@ -509,7 +509,7 @@ def schedule_line(args, world, cache=None):
     line = (f"plan: T {args.steps} (search T_M {args.search_steps}, warm-up "
             f"{at(args.warmup, args.steps)}) | {tokens:,} tokens | {args.batch_size} x "
             f"{args.seq_len} tokens a step on {world} rank(s)")
-    passes = cache and sequences_read(args.until, args) / cache.len_split("train")  # read by the stop
+    passes = cache and tokens / args.seq_len / cache.len_split("train")
     line += f" | {passes:.2f} passes over the cached training tokens" if cache else ""
     if passes and passes > 1.01:  # e.g. the paper's budget on the 1.6M-token Shakespeare: ~400
         line += " | WARNING: the corpus is smaller than the budget, sequences repeat: pass more --data"
@@ -534,6 +534,8 @@ def resolve_args(args, world, cache=None):
     # T_M = round(search_frac T), halves up (0.1 x 25: 3), at least one step when there is a search
     t_m = math.floor(Fraction(str(args.search_frac)) * args.steps + Fraction(1, 2))
     args.search_steps = max(1, t_m) if in_loop else 0
+    if args.until not in (None, "cut") and not str(args.until).isdigit():
+        raise E3Error(f"--until takes a step (0 to T) or 'cut' (T_M); got '{args.until}'")
     args.until = args.search_steps if args.until == "cut" else min(int(args.until or args.steps), args.steps)
     if args.plan:  # the plan picks them for each kind of GPU
         return
@@ -699,13 +701,15 @@ def main(argv=None):
     T, T_M = args.steps, args.search_steps
     args.out = args.out or f"runs/{Path(args.model).name}-keep{args.keep}"
     run = Run(args.out, run_identity(args), rank, args.resume)
+    resumed = run.latest()  # None, or the small state of the newest checkpoint
+    if resumed and args.until < resumed["step"]:  # the loop would never meet it
+        raise E3Error(f"--until {args.until} is before step {resumed['step']}, where the run resumes")
     cache = cache or build_teacher_cache(args, tok)  # the teacher: loaded, used, freed
     search_cache = cache if not args.search_data or args.search == "none" else build_teacher_cache(
         args, tok, args.search_data, registered(SEARCHES, args.search).tokens_read(args))
     if T == 0:  # no cache: check --data now, before anything is written
         calibration_batches(args, tok, None)
     run.create()
-    resumed = run.latest()  # None, or the small state of the newest checkpoint
     model, _ = build_student(args, args.device, world, kept=resumed and resumed["kept"])
     teacher = full_teacher(args, cache)
     opt = make_optimizer(model, args)
@@ -722,10 +726,10 @@ def main(argv=None):
     else:  # summary: what was measured before the kill
         S0, step, kept = resumed["init_scores"], resumed["step"], resumed["kept"]
         summary = resumed.get("summary", {})
+        t0 -= 60 * summary.get("minutes", 0)  # the processes before, up to the checkpoint
         run.load_into(resumed["path"], model, opt)
         run.truncate_log(step)
-        print0(f"resumed from {resumed['path']} at step {step} "
-               f"({'search' if kept is None else 'finetune'})")
+        print0(f"resumed from {resumed['path']} at step {step} ({'search' if kept is None else 'finetune'})")
     search = registered(SEARCHES, args.search)(S0, args, L, T, protected, args.device)
     if resumed is not None:
         search.load_state_dict(resumed["search"])
@@ -755,8 +759,8 @@ def main(argv=None):
         if step > first and (step % at(args.ckpt_every, T) == 0 or step == args.until) and step < T:
             # beside the DCP shards (at T: the export instead): where the loop stands, the search's
             # state (S, its Adam, the Gumbel generator), so that a resume draws what this run would
-            run.save(step, model, opt, {"kept": kept, "init_scores": S0, "search":
-                                        search.state_dict(), "summary": summary})
+            run.save(step, model, opt, {"kept": kept, "init_scores": S0, "search": search.state_dict(),
+                                        "summary": {**summary, "minutes": (time.time() - t0) / 60}})
         if step in (T, args.until):
             break
         t, t_step, searching = step + 1, time.time(), kept is None
@@ -786,16 +790,15 @@ def main(argv=None):
         print0(f"step {t}/{T} | {'search' if searching else 'finetune'} | loss {loss:.4f} | "
                f"lr {lr:.2e}{where} | {seqs * args.seq_len / dt:.0f} tok/s | {time.time() - t0:.1f}s")
     # -------------------------- TRAINING SECTION END --------------------------
+    summary["minutes"] = round((time.time() - t0) / 60, 2)
     if step < T:  # --until: checkpointed above; what the search did, for stage-by-stage studies
-        return stopped(args, run, step, kept or search.kept(), L, search, S0,
-                       {**summary, "minutes": round((time.time() - t0) / 60, 2)})
+        return stopped(args, run, step, kept or search.kept(), L, search, S0, summary)
 
     # =============================== STAGE 3: EXPORT ===============================
     export(model, args, rank, kept, L, tok, search, S0)
     summary = {"kept_layers": kept, "layers": f"{L} -> {len(kept)}",
                "tokens_trained": sequences_read(T, args) * args.seq_len, **search.summary(),
-               **{k: v for k, v in summary.items() if v is not None},
-               "minutes": round((time.time() - t0) / 60, 2), "model": str(Path(args.out) / "model")}
+               **{k: v for k, v in summary.items() if v is not None}, "model": str(Path(args.out) / "model")}
     run.log(event="done", step=T, **summary)
     print0("done: " + json.dumps(summary))
     return model
