@@ -613,7 +613,6 @@ class TeacherCache:
                     f"bytes); {fix}")
         if _sha256(f) != s["sha256"]:
             return f"teacher cache shard '{f}' is corrupt (sha256 differs); {fix}"
-        return None
 
     def len_split(self, split_name):
         return self.meta["sequences"][split_name]

@@ -47,7 +47,8 @@ from runtime import (E3Error, HelpFormatter, barrier, init_distributed, load_mod
                      print0, run_main)
 from sampler import gumbel_noise, gumbel_topk, k_schedule, score_lr_schedule, tau_schedule
 from surgery import (LayerGates, LayerSearch, check_removable, decoder_layers, export_pruned,
-                     keep_mask, kl_importance, protected_layers, remove_layers, serving_notes)
+                     keep_mask, kl_importance, micro_batch_problem, protected_layers, remove_layers,
+                     sequences_read, serving_notes)
 
 # -----------------------------------------------------------------------------
 # Settings: the paper's (Appendix E, Llama-2-7B's column) are every flag's default. "T/20" is a
@@ -232,16 +233,11 @@ def make_optimizer(model, args, carried=None):
 # -----------------------------------------------------------------------------
 # Data and loss
 
-def sequences_read(step, args):
-    """The sequences steps 1..step read: the search's at --search-batch-size, the rest at --batch-size."""
-    search = min(step, args.search_steps)
-    return search * args.search_batch_size + (step - search) * args.batch_size
-
-
 def batch_indices(step, args, n, rank, world):
     """This rank's share of global batch `step`, the next slice of a seeded permutation (one an epoch,
-    each seed's own): a pure function of (seed, step), the same batches after any resume, any ranks."""
+    each seed's own) of the n rows, at most the budget's: the same after any resume, ranks, cache."""
     batch = args.search_batch_size if step < args.search_steps else args.batch_size
+    n = min(n, sequences_read(args.steps, args))
     epoch, offset = divmod(sequences_read(step, args), n)
     idx = []
     while len(idx) < batch:  # a batch past the epoch's end goes on into the next
@@ -487,10 +483,9 @@ def run_identity(args):
 # The teacher cache and the plan
 
 def build_teacher_cache(args, tok, data=None, tokens=None):
-    """The teacher's targets for `tokens` training tokens of `data` (default: this run's budget of
-    --data), in a folder keyed by everything they depend on, built now, before the student exists:
-    the teacher and the student are never in memory together."""
-    data, tokens = data or args.data, tokens or sequences_read(args.until, args) * args.seq_len
+    """The teacher's targets for `tokens` training tokens of `data` (default: the whole run's, --until
+    or not), keyed by all they depend on, built before the student exists: never both in memory."""
+    data, tokens = data or args.data, tokens or sequences_read(args.steps, args) * args.seq_len
     if tokens == 0:  # nothing to train (--steps 0): calibration reads --data
         return None
     ident = {**model_fingerprint(args.model), "seq_len": args.seq_len, "topk": args.topk,
@@ -513,7 +508,7 @@ def schedule_line(args, world, cache=None):
     line = (f"plan: T {args.steps} (search T_M {args.search_steps}, warm-up "
             f"{at(args.warmup, args.steps)}) | {tokens:,} tokens | {args.batch_size} x "
             f"{args.seq_len} tokens a step on {world} rank(s)")
-    passes = cache and sequences_read(args.until, args) / cache.len_split("train")  # read by the stop
+    passes = cache and tokens / args.seq_len / cache.len_split("train")
     line += f" | {passes:.2f} passes over the cached training tokens" if cache else ""
     if passes and passes > 1.01:  # e.g. the paper's budget on the 1.6M-token Shakespeare: ~400
         line += " | WARNING: the corpus is smaller than the budget, sequences repeat: pass more --data"
@@ -538,14 +533,14 @@ def resolve_args(args, world, cache=None):
     # T_M = round(search_frac T), halves up (0.1 x 25: 3), at least one step when there is a search
     t_m = math.floor(Fraction(str(args.search_frac)) * args.steps + Fraction(1, 2))
     args.search_steps = max(1, t_m) if in_loop else 0
+    if args.until not in (None, "cut") and not str(args.until).isdigit():
+        raise E3Error(f"--until takes a step (0 to T) or 'cut' (T_M); got '{args.until}'")
     args.until = args.search_steps if args.until == "cut" else min(int(args.until or args.steps), args.steps)
     if args.plan:  # the plan picks them for each kind of GPU
         return
-    if torch.cuda.is_available() and None in (args.micro_batch, args.activation_checkpointing,
-                                              args.logit_chunk):
+    if torch.cuda.is_available() or world > 1:  # a GPU's memory, the fused head above one rank
         from scale.plan import pick_for_card
         pick_for_card(args, world)
-    args.logit_chunk = 256 if args.logit_chunk is None else args.logit_chunk  # > 1 CPU rank
     args.micro_batch = args.micro_batch or 1
     args.activation_checkpointing = args.activation_checkpointing or "none"
 
@@ -572,13 +567,8 @@ def check_args(args, config, L, world, vocab=0):
                       "process on the plain logits path (--logit-chunk 0): the teacher beside it")
     if args.plan:  # a plan is for any world: the rest is checked when the run starts
         return protected
-    for flag, batch in ("--batch-size", args.batch_size), ("--search-batch-size", args.search_batch_size):
-        if batch % (world * args.micro_batch):
-            raise E3Error(f"{flag} {batch} must be a multiple of ranks x --micro-batch ({world} x "
-                          f"{args.micro_batch})")
-    if (args.search_batch_size // args.micro_batch) % args.masks_per_step:
-        raise E3Error(f"--masks-per-step {args.masks_per_step} must divide a search step's "
-                      f"{args.search_batch_size // args.micro_batch} micro-batches")
+    if problem := micro_batch_problem(args, world, args.micro_batch):
+        raise E3Error(problem)
     check_removable(config, args.layers)  # a layout the config cannot express: stop now
     for note in serving_notes(config, args.layers):  # where an engine would differ
         print0(f"warning: {note}")
@@ -695,12 +685,8 @@ def main(argv=None):
     args = parse_args(argv)
     args.model = resolve_model(args.model)
     if args.plan:  # --plan RANKS: from config.json (and a --cache's meta.json) alone, checked as a run
-        from scale.plan import cache_meta, meta_model, print_plan
-        resolve_args(args, args.plan, cache_meta(args.cache))
-        shape, bytes_a_token = meta_model(args)  # on the meta device
-        check_args(args, shape.config, len(decoder_layers(shape)), args.plan)
-        return print_plan(args, shape, bytes_a_token, registered(SEARCHES, args.search),
-                          schedule_line(args, args.plan))
+        from scale.plan import print_plan
+        return print_plan(args, resolve_args, check_args, registered(SEARCHES, args.search), schedule_line)
 
     # ================================ SETUP ================================
     t0 = time.time()
@@ -714,13 +700,15 @@ def main(argv=None):
     T, T_M = args.steps, args.search_steps
     args.out = args.out or f"runs/{Path(args.model).name}-keep{args.keep}"
     run = Run(args.out, run_identity(args), rank, args.resume)
+    resumed = run.latest()  # None, or the small state of the newest checkpoint
+    if resumed and args.until < resumed["step"]:  # the loop would never meet it
+        raise E3Error(f"--until {args.until} is before step {resumed['step']}, where the run resumes")
     cache = cache or build_teacher_cache(args, tok)  # the teacher: loaded, used, freed
     search_cache = cache if not args.search_data or args.search == "none" else build_teacher_cache(
         args, tok, args.search_data, registered(SEARCHES, args.search).tokens_read(args))
     if T == 0:  # no cache: check --data now, before anything is written
         calibration_batches(args, tok, None)
     run.create()
-    resumed = run.latest()  # None, or the small state of the newest checkpoint
     model, _ = build_student(args, args.device, world, kept=resumed and resumed["kept"])
     teacher = full_teacher(args, cache)
     opt = make_optimizer(model, args)
@@ -737,10 +725,10 @@ def main(argv=None):
     else:  # summary: what was measured before the kill
         S0, step, kept = resumed["init_scores"], resumed["step"], resumed["kept"]
         summary = resumed.get("summary", {})
+        t0 -= 60 * summary.get("minutes", 0)  # the processes before, up to the checkpoint
         run.load_into(resumed["path"], model, opt)
         run.truncate_log(step)
-        print0(f"resumed from {resumed['path']} at step {step} "
-               f"({'search' if kept is None else 'finetune'})")
+        print0(f"resumed from {resumed['path']} at step {step} ({'search' if kept is None else 'finetune'})")
     search = registered(SEARCHES, args.search)(S0, args, L, T, protected, args.device)
     if resumed is not None:
         search.load_state_dict(resumed["search"])
@@ -770,8 +758,8 @@ def main(argv=None):
         if step > first and (step % at(args.ckpt_every, T) == 0 or step == args.until) and step < T:
             # beside the DCP shards (at T: the export instead): where the loop stands, the search's
             # state (S, its Adam, the Gumbel generator), so that a resume draws what this run would
-            run.save(step, model, opt, {"kept": kept, "init_scores": S0, "search":
-                                        search.state_dict(), "summary": summary})
+            run.save(step, model, opt, {"kept": kept, "init_scores": S0, "search": search.state_dict(),
+                                        "summary": {**summary, "minutes": (time.time() - t0) / 60}})
         if step in (T, args.until):
             break
         t, t_step, searching = step + 1, time.time(), kept is None
@@ -801,16 +789,15 @@ def main(argv=None):
         print0(f"step {t}/{T} | {'search' if searching else 'finetune'} | loss {loss:.4f} | "
                f"lr {lr:.2e}{where} | {seqs * args.seq_len / dt:.0f} tok/s | {time.time() - t0:.1f}s")
     # -------------------------- TRAINING SECTION END --------------------------
+    summary["minutes"] = round((time.time() - t0) / 60, 2)
     if step < T:  # --until: checkpointed above; what the search did, for stage-by-stage studies
-        return stopped(args, run, step, kept or search.kept(), L, search, S0,
-                       {**summary, "minutes": round((time.time() - t0) / 60, 2)})
+        return stopped(args, run, step, kept or search.kept(), L, search, S0, summary)
 
     # =============================== STAGE 3: EXPORT ===============================
     export(model, args, rank, kept, L, tok, search, S0)
     summary = {"kept_layers": kept, "layers": f"{L} -> {len(kept)}",
                "tokens_trained": sequences_read(T, args) * args.seq_len, **search.summary(),
-               **{k: v for k, v in summary.items() if v is not None},
-               "minutes": round((time.time() - t0) / 60, 2), "model": str(Path(args.out) / "model")}
+               **{k: v for k, v in summary.items() if v is not None}, "model": str(Path(args.out) / "model")}
     run.log(event="done", step=T, **summary)
     print0("done: " + json.dumps(summary))
     return model

@@ -190,7 +190,7 @@ def _kl_sum(logits_q, logits_p, valid, vocab, chunk, logp=None):
 
 
 # -----------------------------------------------------------------------------
-# Which layers stay: the protected ones, the top-k, and the layer-search protocol
+# Which layers stay: the protected ones, the top-k, the layer-search protocol, its steps' batches
 
 def protected_layers(L, n_first=1, n_last=1):
     """Never pruned (the paper's ablation protects the first and the last)."""
@@ -206,6 +206,22 @@ def top_k_layers(scores, k, protected=()):
 
 def keep_mask(kept, L, device):
     return torch.zeros(L, device=device).index_fill_(0, torch.tensor(kept, device=device), 1.0)
+
+
+def sequences_read(step, args):
+    """The sequences steps 1..step read: --batch-size a step, --search-batch-size in the search's."""
+    return step * args.batch_size + min(step, args.search_steps) * (args.search_batch_size - args.batch_size)
+
+
+def micro_batch_problem(args, ranks, micro_batch):
+    """Why `micro_batch` sequences a forward cannot run every step on `ranks` ranks, or None: they
+    divide the search's and the fine-tune's batch on a rank, and split among --masks-per-step draws."""
+    for flag, batch in ("--batch-size", args.batch_size), ("--search-batch-size", args.search_batch_size):
+        if batch % (ranks * micro_batch):
+            return f"{flag} {batch} must be a multiple of ranks x --micro-batch ({ranks} x {micro_batch})"
+    if (args.search_batch_size // micro_batch) % args.masks_per_step:
+        return (f"--masks-per-step {args.masks_per_step} must divide a search step's "
+                f"{args.search_batch_size // micro_batch} micro-batches")
 
 
 class LayerSearch:
@@ -235,7 +251,7 @@ class LayerSearch:
     @staticmethod
     def tokens_read(args):
         """The training tokens the search reads (its --search-data cache holds as many)."""
-        return args.search_steps * args.search_batch_size * args.seq_len
+        return sequences_read(args.search_steps, args) * args.seq_len
 
     def prepare(self, model, cache, losses, log):
         pass

@@ -13,13 +13,14 @@
 # Stage 1 runs each arm (MODEL:SEARCH_SEQS:SEED, 128-token sequences) to the cut and stops: S_0, S_T,
 # the kept set and the score trajectory in RUN/stopped.json, recorded into RESULTS (seeds.py record;
 # `seeds.py search RESULTS` tables |S_T - S_0| against S_0's gaps and the Gumbel noise, and the set's
-# Jaccard with KL one-shot's). The teacher is cached over only the tokens the search reads (prune.py
-# builds it: the corpus's first 120 x SEARCH_SEQS sequences). Stage 2 runs KL one-shot (--search none,
-# the same small cache) to step 120 too, then resumes both runs without --until to T: the fine-tune's
-# 1,080 steps of 1K tokens on the whole corpus's cache, scored and recorded as the series is. Both
-# stages resume where they stopped: checkpoints every CKPT steps, the records made, arms claimed by
-# a mkdir under RUNS/claims (after a kill: rm -r RUNS/claims). JOBS drivers side by side, one thread
-# each, at nice 19 (beside other work). Knobs: ARMS, JOBS, RUNS, RESULTS, CKPT; TINY=1: toy size.
+# Jaccard with KL one-shot's). prune.py caches the teacher once over the whole run's tokens (120 x
+# SEARCH_SEQS + 1,080 x 8 sequences, the corpus's first), so that the two stages read what one
+# uninterrupted run reads. Stage 2 runs KL one-shot (--search none, the same cache) to step 120 too,
+# then resumes both runs without --until to T: the fine-tune's 1,080 steps of 1K tokens, scored and
+# recorded as the series is. Both stages resume where they stopped: checkpoints every CKPT steps,
+# the records made, arms claimed by a mkdir under RUNS/claims (after a kill: rm -r RUNS/claims).
+# JOBS drivers side by side, one thread each, at nice 19 (beside other work). Knobs: ARMS, JOBS,
+# RUNS, RESULTS, CKPT; TINY=1: toy size.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:-search}

@@ -107,7 +107,7 @@ import torch
 
 from runtime import print0
 from scale.fsdp import meta_model
-from surgery import decoder_layers
+from surgery import decoder_layers, micro_batch_problem, sequences_read
 
 GB, MiB = 1e9, 2**20
 # dense bf16 peak (no sparsity) and memory (nvidia-smi's memory.total, = cudaMemGetInfo's total) of
@@ -170,8 +170,8 @@ def flops_per_token(model, seq_len, n_layers=None, train=True):
 def run_flops(args, model, L):
     """(training FLOPs, teacher-cache FLOPs, tokens): the search's T_M steps at L layers, the rest at
     the kept k, and the teacher's forward over every trained token."""
-    search = args.search_steps * args.search_batch_size * args.seq_len  # --search-batch-size
-    after = (args.steps - args.search_steps) * args.batch_size * args.seq_len
+    search = sequences_read(args.search_steps, args) * args.seq_len  # --search-batch-size
+    after = sequences_read(args.steps, args) * args.seq_len - search
     train = (search * flops_per_token(model, args.seq_len, L)
              + after * flops_per_token(model, args.seq_len, args.keep))
     cache = (search + after) * flops_per_token(model, args.seq_len, L, train=False)
@@ -321,31 +321,31 @@ def memory(args, model, ranks, micro_batch, mode, measured=None, chunk=None):
 def choose(args, model, ranks, card_bytes, measured=None):
     """The run's micro-batch, checkpointing and the fused head's chunk on `ranks` cards of card_bytes
     each: checkpointing only when memory needs it (none, then selective, then full), with it the
-    largest micro-batch (a divisor of the batch a rank runs) that fits USABLE of the card, and
-    with that the largest chunk (chunk_sizes: the fused head, where it runs and --logit-chunk is
-    unset); a --micro-batch, --activation-checkpointing or --logit-chunk given is kept. Returns
-    (micro_batch, mode, chunk, memory by part); (None, None, None, the smallest run's memory) where
-    nothing fits."""
-    per_rank = args.batch_size // ranks
-    sizes = [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
+    largest micro-batch that runs every step (surgery.micro_batch_problem: it divides the search's
+    batch and the fine-tune's on a rank, and splits among --masks-per-step) and fits USABLE of the
+    card, and with that the largest chunk (chunk_sizes: the fused head, where --logit-chunk is
+    unset, above one rank: prune.py sets 0 for one); a --micro-batch, --activation-checkpointing or
+    --logit-chunk given is kept. Returns (micro_batch, mode, chunk, memory by part); (None, None,
+    None, the smallest run's memory) where nothing fits."""
+    sizes = [m for m in range(args.batch_size // ranks, 0, -1)
+             if not micro_batch_problem(args, ranks, m)] or [1]  # none: prune.py's check says why
     sizes = [args.micro_batch] if getattr(args, "micro_batch", None) else sizes
     modes = [args.activation_checkpointing] if getattr(args, "activation_checkpointing", None) else MODES
     for mode in modes:
         for m in sizes:
-            chunks = ([args.logit_chunk] if args.logit_chunk is not None or ranks == 1
-                      else chunk_sizes(m * args.seq_len))
+            chunks = [args.logit_chunk] if args.logit_chunk is not None else chunk_sizes(m * args.seq_len)
             for chunk in chunks:
-                parts = memory(args, model, ranks, m, mode, measured, chunk or 0)
+                parts = memory(args, model, ranks, m, mode, measured, chunk)
                 if sum(parts.values()) <= USABLE * card_bytes:
-                    return m, mode, chunk or 0, parts
-    least = None if args.logit_chunk is not None or ranks == 1 else MIN_CHUNK
+                    return m, mode, chunk, parts
+    least = MIN_CHUNK if args.logit_chunk is None else None
     return None, None, None, memory(args, model, ranks, 1, "full", measured, least)
 
 
 def min_ranks(args, model, ranks, card_bytes, measured=None):
-    """The fewest ranks above `ranks` (a divisor of the batch, as prune.py requires) on which a run
+    """The fewest ranks above `ranks` (dividing every batch, as prune.py requires) on which a run
     fits, or None."""
-    return next((n for n in range(ranks + 1, args.batch_size + 1) if args.batch_size % n == 0
+    return next((n for n in range(ranks + 1, args.batch_size + 1) if not micro_batch_problem(args, n, 1)
                  and choose(args, model, n, card_bytes, measured)[0]), None)
 
 
@@ -431,13 +431,15 @@ def cards():
 
 def on_card(args, model, ranks, kind, card, flops, measured):
     """What `ranks` GPUs of `kind` (card: (peak, bytes)) make of the run: (summary entry, its
-    lines). flops: (training, cache)."""
+    lines). flops: (training, cache). The entry states every number its hours come from: hours =
+    (training FLOPs / mfu + cache FLOPs / cache_mfu) / (ranks x peak_flops), each rate rounded
+    before it is used."""
     peak, card_bytes = card
     m, mode, chunk, parts = choose(args, model, ranks, card_bytes, measured)
     total = sum(parts.values()) / GB
     entry = {"micro_batch": m, "activation_checkpointing": mode, "logit_chunk": chunk,
-             "gb_per_rank": round(total, 2), "fits": m is not None, "mfu": None, "hours": None,
-             "gpu_hours": None}
+             "gb_per_rank": round(total, 2), "fits": m is not None, "mfu": None, "cache_mfu": None,
+             "peak_flops": peak, "hours": None, "gpu_hours": None}
     where = (f"plan: memory per rank on {kind} ({card_bytes / GB:.1f} GB, {USABLE:.0%} usable = "
              f"{USABLE * card_bytes / GB:.1f}):")
     detail = ", ".join(f"{k} {v / GB:.3g}" for k, v in parts.items())
@@ -460,8 +462,9 @@ def on_card(args, model, ranks, kind, card, flops, measured):
     lines = [f"{where} micro-batch {m} x {args.seq_len} tokens, activation checkpointing {mode}"
              f"{head}: {total:.1f} GB ({detail} GB)"]
     if peak:
+        rate, cache_rate = round(rate, 4), round(cache_rate, 4)
         seconds = (flops[0] / rate + flops[1] / cache_rate) / (ranks * peak)
-        entry.update(mfu=round(rate, 3), hours=round(seconds / 3600, 3),
+        entry.update(mfu=rate, cache_mfu=cache_rate, hours=round(seconds / 3600, 3),
                      gpu_hours=round(seconds * ranks / 3600, 2))
         lines.append(f"plan: time on {ranks} x {kind}: {entry['hours']:.2f} h "
                      f"({entry['gpu_hours']:.1f} GPU-h): training at {rate:.0%} MFU ({source}), "
@@ -476,8 +479,10 @@ def plan(args, model, L, ranks, cache_bytes=None, measured=None, gpu="H100", kin
     meta_model); measured: the bench's JSON (default: experiments/gpu_bench.json if the repo keeps
     one; {} for the formula and the assumed MFU alone); kinds: {kind: (peak, bytes)} (default:
     cards()). The summary's micro_batch, activation_checkpointing, logit_chunk, gb_per_rank, fits
-    (and min_ranks, lora) are `gpu`'s; by_kind holds every kind's; mfu, hours and gpu_hours each
-    kind's on `ranks` (None where the run does not fit)."""
+    (and min_ranks, lora) are `gpu`'s; by_kind holds every kind's; mfu (training's), cache_mfu (the
+    teacher's forward), peak_flops, hours and gpu_hours each kind's on `ranks` (the rates None
+    where the run does not fit), hours = (train_flops / mfu + cache_flops / cache_mfu) / (ranks x
+    peak_flops)."""
     measured = load_bench() if measured is None else measured
     kinds = cards() if kinds is None else kinds
     train_flops, cache_flops, tokens = run_flops(args, model, L)
@@ -493,7 +498,7 @@ def plan(args, model, L, ranks, cache_bytes=None, measured=None, gpu="H100", kin
         by_kind[kind], more = on_card(args, model, ranks, kind, card, (train_flops, cache_flops),
                                       measured)
         lines += more
-    per_kind = ("mfu", "hours", "gpu_hours")  # keyed by kind; the rest is `gpu`'s
+    per_kind = ("mfu", "cache_mfu", "peak_flops", "hours", "gpu_hours")  # by kind; the rest `gpu`'s
     summary = {"params": sum(p.numel() for p in model.parameters()), "tokens": tokens,
                "train_flops": train_flops, "cache_flops": cache_flops, "ranks": ranks, "gpu": gpu,
                **{k: v for k, v in by_kind[gpu].items() if k not in per_kind},
@@ -530,16 +535,20 @@ def cache_meta(path):
                            targets=meta.get("targets", "topk"))
 
 
-def print_plan(args, model, bytes_a_token, search, schedule):
-    """prune.py --plan RANKS, given what its main resolved and checked: args (for RANKS ranks and
-    cache_meta's cache), the model on the meta device and a cache token's bytes (fsdp.meta_model),
-    the search's class and the schedule's line. Prints the schedule, the state a rank holds, the
-    search's own forward tokens (evo, random), then plan()'s lines per GPU kind; the last line one
-    JSON object."""
-    ranks, L = args.plan, len(decoder_layers(model))
-    cache_bytes = bytes_a_token * args.steps * args.batch_size * args.seq_len
+def print_plan(args, resolve_args, check_args, search, schedule_line):
+    """prune.py --plan RANKS: args resolved and checked as a run's, for RANKS ranks, a given
+    --cache's meta.json and the model on the meta device (fsdp.meta_model), by the caller's own
+    resolve_args and check_args (a copied prune.py plans with its own code); search: the search's
+    class. Prints the schedule, the state a rank holds, the search's own forward tokens (evo,
+    random), then plan()'s lines per GPU kind; the last line one JSON object."""
+    ranks = args.plan
+    resolve_args(args, ranks, cache_meta(args.cache))
+    model, bytes_a_token = meta_model(args)
+    L = len(decoder_layers(model))
+    check_args(args, model.config, L, ranks)
+    cache_bytes = bytes_a_token * sequences_read(args.steps, args) * args.seq_len
     lines, summary = plan(args, model, L, ranks, cache_bytes=cache_bytes)
-    print("\n".join([schedule + f" | cache {cache_bytes / GB:.3g} GB on disk",
+    print("\n".join([schedule_line(args, ranks) + f" | cache {cache_bytes / GB:.3g} GB on disk",
                      state_line(args, ranks, model, L),
                      *([f"plan: {search.plan(args, L)}"] if hasattr(search, "plan") else []),
                      *lines]))
@@ -547,16 +556,23 @@ def print_plan(args, model, bytes_a_token, search, schedule):
 
 
 def pick_for_card(args, world):
-    """prune.py on a GPU with --micro-batch, --activation-checkpointing or (> 1 rank) --logit-chunk
-    unset: choose()'s pick for this card's free memory (a value given is kept)."""
-    micro, mode, chunk, _ = choose(args, meta_model(args)[0], world, card_memory()[1])
-    if micro is None:
+    """prune.py's --micro-batch, --activation-checkpointing and (> 1 rank) --logit-chunk, where unset,
+    decided here alone (a value given is kept, fitting or not): on a GPU choose()'s pick for its
+    free memory, where nothing fits one sequence with full checkpointing; on CPU ranks the fused
+    head in chunks of MIN_CHUNK (there a chunk costs its matmul; prune.py: one sequence, no
+    checkpointing)."""
+    if None not in (args.micro_batch, args.activation_checkpointing, args.logit_chunk):
+        return
+    here = card_memory()
+    micro, mode, chunk, _ = choose(args, meta_model(args)[0], world, here[1]) if here else [None] * 4
+    if here and micro is None:
         print0("warning: the plan finds no micro-batch that fits this GPU (prune.py --plan): "
                "trying one sequence with full checkpointing")
-    args.micro_batch = args.micro_batch or micro or 1  # a value given is kept, fitting or not
-    args.activation_checkpointing = args.activation_checkpointing or mode or "full"
-    if args.logit_chunk is None:
-        args.logit_chunk = chunk or (MIN_CHUNK if world > 1 else 0)
-    head = f", the fused head in chunks of {args.logit_chunk} tokens" if args.logit_chunk else ""
-    print0(f"micro-batch {args.micro_batch}, activation checkpointing "
-           f"{args.activation_checkpointing}{head}")
+        micro, mode = 1, "full"
+    args.micro_batch = args.micro_batch or micro
+    args.activation_checkpointing = args.activation_checkpointing or mode
+    args.logit_chunk = (chunk or MIN_CHUNK) if args.logit_chunk is None else args.logit_chunk
+    if here:
+        head = f", the fused head in chunks of {args.logit_chunk} tokens" if args.logit_chunk else ""
+        print0(f"micro-batch {args.micro_batch}, activation checkpointing "
+               f"{args.activation_checkpointing}{head}")

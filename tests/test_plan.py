@@ -350,3 +350,45 @@ def test_a_plan_for_a_given_cache_takes_its_sequence_length_and_targets(tmp_path
     out = capsys.readouterr().out
     assert "128 x 2048 tokens a step" in out
     assert json.loads(out.strip().splitlines()[-1])["tokens"] == 10 * 128 * 2048
+
+
+@pytest.mark.parametrize("flags, micro", [(("--search-batch-size", "96"), 32),
+                                          (("--masks-per-step", "4"), 32)])
+def test_the_cards_micro_batch_divides_every_batch_the_run_uses(tmp_path, monkeypatch, flags, micro):
+    """On a GPU the plan picks the micro-batch; it must run every step: divide the search's batch
+    as well as the fine-tune's, and give each of --masks-per-step draws its share of a search
+    step's micro-batches. A small Llama at 32 tokens, 80 GB free: memory allows all 128 sequences
+    at once, so the pick is the largest that divides both 128 and 96 (gcd 32), or that leaves a
+    search step 4 micro-batches for 4 draws (128 / 4 = 32)."""
+    from transformers import AutoConfig
+    AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, vocab_size=1000).save_pretrained(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (80e9, 81_559 * MiB))
+    args = prune.parse_args(["--model", str(tmp_path), "--keep", "2", "--seq-len", "32",
+                             "--batch-size", "128", *flags])
+    prune.resolve_args(args, 1)
+    assert args.micro_batch == micro
+    model, _ = meta_model(args)
+    prune.check_args(args, model.config, 4, 1)  # the run starts: no error line
+
+
+def test_the_plans_json_states_every_rate_its_hours_use(tmp_path, capsys):
+    """`prune.py --plan 8` for Qwen3-32B with the bench's measurements (experiments/gpu_bench.json):
+    each kind's hours are recomputed here from the JSON's own fields, the training's FLOPs at its
+    MFU and the teacher cache's at its own, on ranks x the card's dense bf16 peak (H100 and H200
+    989, A100 312 TFLOP/s: the vendors' sheets)."""
+    import json
+    from transformers import AutoConfig
+    cfg = dict(QWEN3_32B)
+    AutoConfig.for_model(cfg.pop("model_type"), **cfg).save_pretrained(tmp_path)
+    prune.main(["--model", str(tmp_path), "--keep", "48", "--plan", "8"])
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {k: s["peak_flops"][k] for k in ("H100", "H200", "A100")} == {
+        "H100": 989e12, "H200": 989e12, "A100": 312e12}
+    for kind in ("H100", "H200", "A100"):
+        seconds = (s["train_flops"] / s["mfu"][kind] + s["cache_flops"] / s["cache_mfu"][kind]) / (
+            s["ranks"] * s["peak_flops"][kind])
+        assert s["hours"][kind] == pytest.approx(seconds / 3600, abs=1e-3)
+        assert s["gpu_hours"][kind] == pytest.approx(8 * seconds / 3600, abs=0.01)

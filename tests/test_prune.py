@@ -80,7 +80,7 @@ def test_every_seed_has_its_own_data_order_in_every_epoch():
     import prune
 
     def epoch(seed, e, n=16, b=8):  # two steps an epoch
-        args = SimpleNamespace(batch_size=b, search_batch_size=b, search_steps=0, seed=seed)
+        args = SimpleNamespace(batch_size=b, search_batch_size=b, search_steps=0, seed=seed, steps=4)
         return sum((prune.batch_indices(step, args, n, 0, 1) for step in (2 * e, 2 * e + 1)), [])
     assert epoch(0, 0) == torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist()
     assert sorted(epoch(0, 1)) == list(range(16)) and epoch(0, 1) != epoch(1, 0)
@@ -355,6 +355,8 @@ def test_bad_inputs_fail_with_one_line(single_run, make_tiny, corpus, tmp_path, 
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
     one_line_error(tiny_args(model, str(empty), new), capsys, "no text")
+    for until in ("cutt", "-1"):  # a step or "cut"
+        one_line_error(tiny_args(model, corpus, new, "--until", until), capsys, "--until")
     assert not new.exists()  # nothing written for a run that could not start
 
     # an output folder that holds a different (finished) run is refused and left untouched
@@ -362,6 +364,8 @@ def test_bad_inputs_fail_with_one_line(single_run, make_tiny, corpus, tmp_path, 
     other = tiny_args(model, corpus, single_run, "--loss", "kd")
     assert_one_line_error(run(other, tmp_path, check=False), "different run")
     one_line_error(tiny_args(model, corpus, single_run), capsys, "--resume")
+    # a stop before the newest checkpoint (step 6) cannot be reached from it
+    one_line_error(tiny_args(model, corpus, single_run, "--resume", "--until", "2"), capsys, "--until", "6")
     assert tree_state(single_run) == before
 
 
@@ -748,16 +752,29 @@ def test_compile_and_selective_checkpointing_train_what_eager_trains(single_run,
 
 def test_until_stops_at_the_cut_and_resume_goes_on_as_one_run(make_tiny, corpus, tmp_path, capsys, monkeypatch):
     """--until cut: the first T_M steps of the T-step run (its schedules), checkpointed, stopped.json
-    written, nothing exported; --resume without it then goes on to T. On one given cache the two
-    halves are the uninterrupted run: the same layers, losses and weights."""
+    written, nothing exported; --resume without it then goes on to T. The two halves are the
+    uninterrupted run: the same layers, step losses and weights, the held-out split where it has it,
+    minutes summed over the processes (a clock that moves a minute a training step: 8 steps, 8
+    minutes). Without --cache the teacher is cached once, over the whole run's tokens: where the
+    corpus is read up to depends on the budget past 2^24 tokens (here past 1,024), and with it where
+    the held-out split lies. A given cache larger than the budget: the run reads its first rows, in
+    the order of its seed and budget, as from the cache it would build (the same step losses)."""
+    import cache_teacher
+    import prune
+    from types import SimpleNamespace
+    monkeypatch.setattr(cache_teacher, "READ_WHOLE_TOKENS", 1024)
+    clock, train_step = [0.0], prune.train_step
+
+    def a_minute_a_step(*a, **k):
+        clock[0] += 60
+        return train_step(*a, **k)
+    monkeypatch.setattr(prune, "train_step", a_minute_a_step)
+    monkeypatch.setattr(prune, "time", SimpleNamespace(time=lambda: clock[0]))
     model = make_tiny("llama", L)
-    cache = tmp_path / "cache"
-    from cache_teacher import build_cache
-    build_cache(model, corpus, str(cache), seq_len=32, max_tokens=8 * 4 * 32)
     straight, halves = tmp_path / "straight", tmp_path / "halves"
-    run_here(tiny_args(model, corpus, straight, "--cache", str(cache)), tmp_path, monkeypatch)
+    run_here(tiny_args(model, corpus, straight), tmp_path, monkeypatch)
     capsys.readouterr()
-    run_here(tiny_args(model, corpus, halves, "--cache", str(cache), "--until", "cut"), tmp_path, monkeypatch)
+    run_here(tiny_args(model, corpus, halves, "--until", "cut"), tmp_path, monkeypatch)
     assert "stopped at step 4 of 8" in capsys.readouterr().out and not (halves / "model").exists()
     stop = json.loads((halves / "stopped.json").read_text())
     search = events(halves, "search")
@@ -770,18 +787,19 @@ def test_until_stops_at_the_cut_and_resume_goes_on_as_one_run(make_tiny, corpus,
     assert stop["kept_layers"] == events(straight, "pruned")[0]["kept"] and stop["layers_before"] == L
     (cut_val,) = [e for e in events(halves, "val") if e["when"] == "at pruning"]
     assert stop["step"] == 4 and stop["val_at_pruning"]["kd"] == round(cut_val["val_loss"], 4)
-    run_here(tiny_args(model, corpus, halves, "--cache", str(cache), "--resume"), tmp_path, monkeypatch)
+    assert stop["minutes"] == 4
+    dense = [e["val_ce"] for e in events(straight, "val") if e["when"] == "dense"]
+    assert [e["val_ce"] for e in events(halves, "val") if e["when"] == "dense"] == dense
+    run_here(tiny_args(model, corpus, halves, "--resume"), tmp_path, monkeypatch)
     assert [e["loss"] for e in events(halves, "train")] == pytest.approx(
         [e["loss"] for e in events(straight, "train")], abs=1e-5)
     a, b = weights(straight), weights(halves)
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5, msg=key)
-
-
-def test_until_builds_a_cache_over_only_the_tokens_it_reads(make_tiny, corpus, tmp_path, monkeypatch):
-    """With no --cache, a run stopped at the cut caches the teacher on the search's tokens only."""
-    out = tmp_path / "run"
-    run_here(tiny_args(make_tiny("llama", L), corpus, out, "--until", "cut", "--search-batch-size", "2",
-                       "--micro-batch", "1", "--eval-every", "100"), tmp_path, monkeypatch)
-    (meta,) = [json.loads(p.read_text()) for p in (tmp_path / "teacher").glob("*/meta.json")]
-    assert meta["max_tokens"] == 4 * 2 * 32  # T_M steps x 2 sequences x 32 tokens
+    assert events(halves, "done")[0]["minutes"] == events(straight, "done")[0]["minutes"] == 8
+    assert len(list((tmp_path / "teacher").glob("*/meta.json"))) == 1  # one cache, built once
+    cache = tmp_path / "cache"
+    cache_teacher.build_cache(model, corpus, str(cache), seq_len=32, max_tokens=2 * 8 * 4 * 32)
+    run_here(tiny_args(model, corpus, tmp_path / "given", "--cache", str(cache)), tmp_path, monkeypatch)
+    assert [e["loss"] for e in events(tmp_path / "given", "train")] == pytest.approx(
+        [e["loss"] for e in events(straight, "train")], abs=1e-5)
