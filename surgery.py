@@ -127,20 +127,16 @@ def layer_bypassed(layers, rec, skip):
     layers after it: the input of layer `skip` is the same with and without it, so the layers before
     return what `rec` recorded and `skip` returns its input (prefix reuse). The model's own forward
     still runs around them: the embedding, the masks, the final norm, the head and what follows it
-    (soft-capping, logit scales): the logits are the model's own. On leaving, each layer gets back
-    the forward it had: the class's, or an instance's own (activation checkpointing's wrapper)."""
-    found = [layers[i].__dict__.get("forward") for i in range(skip + 1)]
+    (soft-capping, logit scales): the logits are the model's own."""
+    found = [vars(layers[i]).get("forward") for i in range(skip + 1)]  # checkpointing's wrapper
     for i in range(skip):
         layers[i].forward = lambda *a, _out=rec.outputs[i], **k: _out
     layers[skip].forward = lambda *a, _out=rec.outputs[skip], **k: with_hidden(_out, hidden_in(a, k))
     try:
         yield
-    finally:
+    finally:  # each layer's forward as found: its own (a wrapper's), else the class's again
         for layer, forward in zip(layers, found):
-            if forward is None:
-                del layer.forward  # the class's forward again
-            else:
-                layer.forward = forward
+            vars(layer).update(forward=forward) if forward else vars(layer).pop("forward")
 
 
 @torch.no_grad()

@@ -375,15 +375,15 @@ def test_the_cards_micro_batch_divides_every_batch_the_run_uses(tmp_path, monkey
 
 
 def test_the_plans_json_states_every_rate_its_hours_use(tmp_path, capsys):
-    """`prune.py --plan 8` for Qwen3-32B with the bench's measurements (experiments/gpu_bench.json):
+    """`prune.py --plan 8` for Llama-2-7B with the bench's measurements (experiments/gpu_bench.json):
     each kind's hours are recomputed here from the JSON's own fields, the training's FLOPs at its
     MFU and the teacher cache's at its own, on ranks x the card's dense bf16 peak (H100 and H200
     989, A100 312 TFLOP/s: the vendors' sheets)."""
     import json
     from transformers import AutoConfig
-    cfg = dict(QWEN3_32B)
+    cfg = dict(LLAMA2_7B)
     AutoConfig.for_model(cfg.pop("model_type"), **cfg).save_pretrained(tmp_path)
-    prune.main(["--model", str(tmp_path), "--keep", "48", "--plan", "8"])
+    prune.main(["--model", str(tmp_path), "--keep", "13", "--plan", "8"])
     s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {k: s["peak_flops"][k] for k in ("H100", "H200", "A100")} == {
         "H100": 989e12, "H200": 989e12, "A100": 312e12}
