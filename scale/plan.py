@@ -116,7 +116,7 @@ GPUS = {"H100": (989e12, 81_559 * MiB), "H200": (989e12, 143_771 * MiB),
         "A100": (312e12, 81_920 * MiB)}
 PEAKS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 USABLE = 0.9
-MODES = ("none", "selective", "full")  # activation checkpointing, the cheapest in time first
+MODES = ("none", "selective", "full")  # checkpointing, the cheapest in time first (unmeasured)
 MIN_CHUNK = 256  # the fused head's tokens a chunk: the fewest the plan tries
 LORA_RANK = 16  # what a plan that fits no card suggests
 # torchtitan, Llama-3.1-8B on 8 H100s, FSDP2 eager, selective checkpointing, seq 8192: 5,762 tok/s a
@@ -320,7 +320,9 @@ def memory(args, model, ranks, micro_batch, mode, measured=None, chunk=None):
 
 def choose(args, model, ranks, card_bytes, measured=None):
     """The run's micro-batch, checkpointing and the fused head's chunk on `ranks` cards of card_bytes
-    each: checkpointing only when memory needs it (none, then selective, then full), with it the
+    each: checkpointing only when memory needs it (none, then the faster of selective and full by
+    the bench's measurements of this path, measured: the JSON, default the repo's; else selective
+    first, RECOMPUTE), with it the
     largest micro-batch that runs every step (surgery.micro_batch_problem: it divides the search's
     batch and the fine-tune's on a rank, and splits among --masks-per-step) and fits USABLE of the
     card, and with that the largest chunk (chunk_sizes: the fused head, where --logit-chunk is
@@ -330,7 +332,10 @@ def choose(args, model, ranks, card_bytes, measured=None):
     sizes = [m for m in range(args.batch_size // ranks, 0, -1)
              if not micro_batch_problem(args, ranks, m)] or [1]  # none: prune.py's check says why
     sizes = [args.micro_batch] if getattr(args, "micro_batch", None) else sizes
-    modes = [args.activation_checkpointing] if getattr(args, "activation_checkpointing", None) else MODES
+    measured = load_bench() if measured is None else measured
+    compiled = bool(getattr(args, "compile", False))
+    fastest = sorted(MODES, key=lambda mode: -mfu(measured, ranks, mode, compiled)[0])  # stable
+    modes = [args.activation_checkpointing] if getattr(args, "activation_checkpointing", None) else fastest
     for mode in modes:
         for m in sizes:
             chunks = [args.logit_chunk] if args.logit_chunk is not None else chunk_sizes(m * args.seq_len)
