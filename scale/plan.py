@@ -73,8 +73,7 @@ MoE layer: top-k x the expert's), h heads; r the residual stream's bytes, c the 
 Compiled (torch.compile's partitioner, each layer one graph): without checkpointing a norm keeps
 only its input and 1 / rms (the normed x, the casts and the outputs recomputed), the second
 norm's input taken as the attention's c-byte output (min(r, c) d); with selective checkpointing
-the down projection's output goes in fp32 (nothing needs it) and, under autocast, the fp32
-residual after the attention is kept (r d more); full as eager.
+the down projection's output goes (nothing needs it: c d less); full as eager.
 
 The residual stream, r: bf16 (2) under FSDP2, as torchtitan keeps it: its MixedPrecisionPolicy
 casts each layer's input to bf16 and the layer's norms and adds then run in bf16 (its output is
@@ -213,15 +212,12 @@ def layer_bytes(layer, cfg, mode, r, c, compiled=False):
     else:
         inter = cfg.intermediate_size
     sdpa = c * q + 4 * h  # SDPA's output, and its fp32 log-sum-exp
-    autocast = c < r  # one process: every linear casts its fp32 input, a bf16 copy each
     if mode == "selective":  # the input and every matmul's output: q k v o, the MLP's three, SDPA
         down = c * d * (top if experts is not None else 1)
         kept = (r * d + c * (q + 2 * k + d) + sdpa + c * 2 * inter + down
                 + (c * E if experts is not None else 0))
-        if compiled:  # the partitioner: fp32, the last matmul's output (nothing needs it) goes;
-            kept += r * d if autocast else -down  # under autocast the fp32 residual after attention
-        return kept
-
+        return kept - (down if compiled else 0)  # compiled: down's output goes (nothing needs it)
+    autocast = c < r  # one process: every linear casts its fp32 input, a bf16 copy each
     if gemma:  # x.float() and its normed fp32 copy, 1 / rms; two pre-norms and two post-norms
         norms = 2 * (8 * d + 4) + 2 * (8 * d + 4)
     else:  # x in fp32, 1 / rms, the normed x cast back (r bytes); each pre-norm
