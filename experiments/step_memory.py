@@ -80,7 +80,9 @@ def per_layer(marks):
 
 def measure_run(argv):
     """prune.main(argv), its train_step wrapped: {"search": bytes, "finetune": bytes} a layer kept
-    for the backward, each from the last step of its phase (a compiled layer compiles in its first)."""
+    for the backward, each from the last step of its phase (a compiled layer compiles in its first),
+    and {"search_head": ..., "finetune_head": ...}: what the LM head and the loss keep (from the last
+    layer's end to the loss, the micro-batch's first)."""
     import torch
     import prune
     from surgery import decoder_layers
@@ -88,10 +90,16 @@ def measure_run(argv):
     torch._dynamo.reset()  # a run compiles afresh: the graphs of earlier runs count to no limit
 
     def measured_step(model, opt, losses, batches, kind, t, args, gates=None, draw=None):
-        record = []
+        record, after = [], []
+
+        def measured_losses(*a, **k):
+            out = losses(*a, **k)
+            after.append(host_bytes())
+            return out
         with layer_growth(decoder_layers(model), record):
-            out = step(model, opt, losses, batches, kind, t, args, gates, draw)
-        seen["search" if gates is not None else "finetune"] = per_layer(record[0])
+            out = step(model, opt, measured_losses, batches, kind, t, args, gates, draw)
+        phase = "search" if gates is not None else "finetune"
+        seen[phase], seen[phase + "_head"] = per_layer(record[0]), after[0] - record[0][-1]
         return out
     prune.train_step = measured_step
     try:
@@ -102,13 +110,13 @@ def measure_run(argv):
 
 
 def bytes_a_token(argv, out, seq_len, micro_batches=(1, 2)):
-    """Bytes a token and layer in each phase: the slope of measure_run's bytes a layer between two
-    micro-batch sizes (a layer's fixed cost, its autograd nodes and weight copies, cancels; runs
-    in out/mb1, out/mb2)."""
+    """Bytes a token and layer in each phase (and a token, the head's): the slope of measure_run's
+    bytes between two micro-batch sizes (a layer's fixed cost, its autograd nodes and weight
+    copies, cancels; runs in out/mb1, out/mb2)."""
     (a, b) = micro_batches
     runs = [measure_run([*argv, "--micro-batch", str(m), "--out", str(Path(out) / f"mb{m}")])
             for m in micro_batches]
-    return {phase: (runs[1][phase] - runs[0][phase]) / ((b - a) * seq_len) for phase in runs[0]}
+    return {key: (runs[1][key] - runs[0][key]) / ((b - a) * seq_len) for key in runs[0]}
 
 
 ARCHS = ("llama", "qwen3", "gemma3_text", "qwen3_moe")

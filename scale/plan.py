@@ -218,17 +218,19 @@ def layer_bytes(layer, cfg, mode, r, c, compiled=False):
                 + (c * E if experts is not None else 0))
         return kept - (down if compiled else 0)  # compiled: down's output goes (nothing needs it)
     autocast = c < r  # one process: every linear casts its fp32 input, a bf16 copy each
+    # a norm's normed x is kept for its weight's gradient: none for a frozen weight (LoRA)
+    normed = 1 if layer.input_layernorm.weight.requires_grad else 0
     if gemma:  # x.float() and its normed fp32 copy, 1 / rms; two pre-norms and two post-norms
-        norms = 2 * (8 * d + 4) + 2 * (8 * d + 4)
+        norms = 4 * (4 * d + normed * 4 * d + 4)
     else:  # x in fp32, 1 / rms, the normed x cast back (r bytes); each pre-norm
-        norms = 2 * (4 * d + r * d + 4)
+        norms = 2 * (4 * d + normed * r * d + 4)
     if compiled:  # the partitioner recomputes a norm from its input and 1 / rms; the second's
         norms = r * d + min(r, c) * d + 8  # input (the residual) from the bf16 attention output
     linears = (3 + (1 if experts is not None else 2)) if autocast else 0  # q k v; gate up (router)
     outputs = (linears * c * d if autocast else 2 * r * d) if not compiled else 0
     qk_norms = 0
     if hasattr(attn, "q_norm"):  # per head: the projection in fp32, its normed copy, 1 / rms
-        qk_norms = (8 if gemma else 4 + c) * (q + k) + 4 * (h + hk)
+        qk_norms = (4 + normed * (4 if gemma else c)) * (q + k) + 4 * (h + hk)
     mlp_bytes = 4 * c * inter  # gate, act(gate), up, their product
     if experts is not None:  # + each copy's input and output, the router's probabilities
         mlp_bytes += top * (2 * c * d + 4 + 8) + 4 * E

@@ -60,3 +60,45 @@ def test_the_plans_activation_model_within_10_percent(make_tiny, corpus, tmp_pat
     for phase in ("search", "finetune"):
         want = activation_formula(shape, mode, 4, c, compiled, search=phase == "search")
         assert got[phase] == pytest.approx(want, rel=0.1), phase
+
+
+@pytest.mark.slow
+def test_the_fused_heads_chunk_and_lora_act_in_the_training_step(make_tiny, corpus, tmp_path,
+                                                                  monkeypatch):
+    """Where they act, in the step that trains: the plain head keeps the micro-batch's logits for
+    the backward (at least one fp32 copy, 4 V bytes a token; V = 49,152 here), the fused head in
+    chunks (--logit-chunk 64) keeps none of them (under 2% of one copy); LoRA (--lora-rank 4) keeps
+    a layer's activations as the full model does but for its frozen norms' normed x (the plan's
+    model within 10%), and its AdamW holds moments for the adapters alone."""
+    import torch
+
+    import prune
+    from scale.lora import add_lora
+    from scale.plan import activation_formula
+    from transformers import AutoConfig, AutoModelForCausalLM
+    monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
+    model, V = make_tiny("llama", 6), 49152
+    args = run_args(model, corpus, "--activation-checkpointing", "none")
+    plain = bytes_a_token(args, tmp_path / "plain", SEQ, (1, 4))
+    fused = bytes_a_token([*args, "--logit-chunk", "64"], tmp_path / "fused", SEQ, (1, 4))
+    assert plain["finetune_head"] >= 4 * V and fused["finetune_head"] < 0.02 * 4 * V
+    states = []
+    step = prune.train_step
+
+    def spy(model, opt, *a, **k):
+        out = step(model, opt, *a, **k)
+        states.append({n: (p.grad is None, p in opt.state) for n, p in model.named_parameters()})
+        return out
+    monkeypatch.setattr(prune, "train_step", spy)
+    with torch.device("meta"):
+        shape = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    add_lora(shape, 4, 8.0, 0)
+    lora = bytes_a_token([*args, "--lora-rank", "4"], tmp_path / "lora", SEQ, (1, 4))
+    d = 32  # the frozen norms keep no normed x for their weights' gradient: 2 x 4 d less a layer
+    for phase in ("search", "finetune"):
+        assert lora[phase] == pytest.approx(plain[phase] - 2 * 4 * d, rel=0.05)
+        want = activation_formula(shape, "none", 4, 4, False, search=phase == "search")
+        assert lora[phase] == pytest.approx(want, rel=0.1)
+    for state in states:
+        assert {n for n, (_, in_adam) in state.items() if in_adam} == {
+            n for n in state if ".parametrizations.weight.0." in n}  # the adapters' A and B
