@@ -71,7 +71,8 @@ MoE layer: top-k x the expert's), h heads; r the residual stream's bytes, c the 
     search       + r d  on each: the gate of eq. 1 keeps its layer's output (d out / d m)
 
 Compiled (torch.compile's partitioner, each layer one graph): without checkpointing a norm keeps
-only its input and 1 / rms (the normed x, the casts and the outputs recomputed), the second
+only its input and 1 / rms (the normed x, the casts and the outputs recomputed; q/k norms: the
+projections' c-byte outputs and 1 / rms), the second
 norm's input taken as the attention's c-byte output (min(r, c) d); with selective checkpointing
 the down projection's output goes (nothing needs it: c d less); full as eager.
 
@@ -231,6 +232,8 @@ def layer_bytes(layer, cfg, mode, r, c, compiled=False):
     qk_norms = 0
     if hasattr(attn, "q_norm"):  # per head: the projection in fp32, its normed copy, 1 / rms
         qk_norms = (4 + normed * (4 if gemma else c)) * (q + k) + 4 * (h + hk)
+        if compiled:  # recomputed from the projections' outputs and 1 / rms
+            qk_norms = c * (q + k) + 4 * (h + hk)
     mlp_bytes = 4 * c * inter  # gate, act(gate), up, their product
     if experts is not None:  # + each copy's input and output, the router's probabilities
         mlp_bytes += top * (2 * c * d + 4 + 8) + 4 * E

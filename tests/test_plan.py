@@ -101,8 +101,8 @@ def test_qwen3_32b_on_8_ranks(tmp_path):
                                              rel=1e-12)
 
     # a token and layer, compiled: as Llama's (test above), + q's and k's norms a head: the
-    # projection in fp32, its normed bf16 copy, 1 / rms; the search's gate (2 d) on top
-    none = (2 * d + 2 * d + 8) + (4 + 2) * (q + k) + 4 * (H + kv) + 2 * (2 * q + 2 * k) + 4 * H + 8 * I
+    # projections' bf16 outputs and 1 / rms (the rest recomputed); the search's gate (2 d) on top
+    none = (2 * d + 2 * d + 8) + 2 * (q + k) + 4 * (H + kv) + 2 * (2 * q + 2 * k) + 4 * H + 8 * I
     # the layer's bf16 input, the bf16 outputs of q, k, v, o, gate, up (down's: nothing needs it
     # once compiled), SDPA's and its LSE
     selective = 2 * d + 2 * q + 2 * k + 2 * k + 2 * d + 2 * I + 2 * I + 2 * q + 4 * H + 2 * d
