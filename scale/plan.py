@@ -63,7 +63,9 @@ MoE layer: top-k x the expert's), h heads; r the residual stream's bytes, c the 
                  + 4 c I                the MLP's gate, act(gate), up, their product
                  (q/k norms: + (4 + c)(q + k) + 4 (h + kv heads); Gemma's (1 + w) norms: 8 d + 4
                  each of four; routed experts: + top-k (2 c d + 12) + 4 E: each copy's input and
-                 output, its weight and index, the router's probabilities)
+                 output, its weight and index, the router's probabilities; a sliding window
+                 shorter than the sequence s: + 2 c (q - k) + c s, k and v repeated to every head
+                 and the layer's s x s mask, SDPA given a mask instead of its causal flag)
     selective    r d + c (q + 2 k + d) + c q + 4 h + c (2 I + d)   torchtitan's op-level policy:
                  the layer's input and every matmul's output (q, k, v, o; gate, up, down; a MoE's
                  router), SDPA's output and LSE; norms, RoPE and SiLU recomputed
@@ -186,18 +188,21 @@ def peak_flops(device_name):
 # -----------------------------------------------------------------------------
 # Memory
 
-def activation_formula(model, mode, residual_bytes=2, compute_bytes=2, compiled=False, search=False):
+def activation_formula(model, mode, residual_bytes=2, compute_bytes=2, compiled=False, search=False,
+                       seq_len=0):
     """Bytes a token and decoder layer keeps for the backward (the module's docstring), the mean of
-    layer_bytes over the model's layers (on the meta device: read off its modules); search: with
-    the gate of eq. 1, which keeps its layer's output for d out / d m."""
+    layer_bytes over the model's layers (on the meta device: read off its modules) at seq_len;
+    search: with the gate of eq. 1, which keeps its layer's output for d out / d m."""
     layers, cfg = decoder_layers(model), text_config(model)
-    total = sum(layer_bytes(layer, cfg, mode, residual_bytes, compute_bytes, compiled) for layer in layers)
+    total = sum(layer_bytes(layer, cfg, mode, residual_bytes, compute_bytes, compiled, seq_len)
+                for layer in layers)
     return total / len(layers) + (residual_bytes * cfg.hidden_size if search else 0)
 
 
-def layer_bytes(layer, cfg, mode, r, c, compiled=False):
+def layer_bytes(layer, cfg, mode, r, c, compiled=False, seq_len=0):
     """One decoder layer's bytes a token for the backward (the module's docstring, term by term): r
-    the residual stream's bytes, c the matmuls' (2: bf16 by autocast or FSDP2's policy; 4: fp32)."""
+    the residual stream's bytes, c the matmuls' (2: bf16 by autocast or FSDP2's policy; 4: fp32);
+    seq_len: a sliding window's mask is s x s."""
     d, h = cfg.hidden_size, cfg.num_attention_heads
     q = attention_width(cfg)
     hk = getattr(cfg, "num_key_value_heads", None) or h
@@ -237,7 +242,11 @@ def layer_bytes(layer, cfg, mode, r, c, compiled=False):
     mlp_bytes = 4 * c * inter  # gate, act(gate), up, their product
     if experts is not None:  # + each copy's input and output, the router's probabilities
         mlp_bytes += top * (2 * c * d + 4 + 8) + 4 * E
-    return norms + outputs + qk_norms + c * (2 * q + 2 * k) + 4 * h + mlp_bytes  # + q k v into SDPA
+    window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(cfg, "sliding_window", None)
+    masked = 0
+    if window and seq_len > window:  # SDPA with a mask, not its causal flag: k and v repeated to
+        masked = 2 * c * (q - k) + c * seq_len  # every head, and the layer's own s x s mask kept
+    return norms + outputs + qk_norms + c * (2 * q + 2 * k) + 4 * h + mlp_bytes + masked
 
 
 def residual_bytes(fsdp):
@@ -261,11 +270,11 @@ def load_bench(path=BENCH_JSON):
     return json.loads(Path(path).read_text()) if Path(path).exists() else {}
 
 
-def activation_bytes(model, mode, fsdp, compiled=False, search=True):
+def activation_bytes(model, mode, fsdp, compiled=False, search=True, seq_len=0):
     """Bytes a token and layer in a training step on a GPU (bf16 matmuls; the residual stream bf16
     under FSDP2, fp32 in one process), in the search with the gates: the formula, fitted to no
     measurement (experiments/step_memory.py and the bench's probes check it)."""
-    return activation_formula(model, mode, residual_bytes(fsdp), 2, compiled, search)
+    return activation_formula(model, mode, residual_bytes(fsdp), 2, compiled, search, seq_len)
 
 
 def state_bytes(params, ranks):
@@ -304,8 +313,9 @@ def memory(args, model, ranks, micro_batch, mode, measured=None, chunk=None):
     fsdp = ranks > 1
     chunk = args.logit_chunk if chunk is None else chunk
     compiled = bool(getattr(args, "compile", False))
-    act = activation_bytes(model, mode, fsdp, compiled)
-    recompute = activation_bytes(model, "none", fsdp, compiled, search=False) if mode != "none" else 0
+    act = activation_bytes(model, mode, fsdp, compiled, seq_len=args.seq_len)
+    recompute = (activation_bytes(model, "none", fsdp, compiled, False, args.seq_len)
+                 if mode != "none" else 0)
     K = 0 if args.targets == "sampled" else args.topk
     N = 0 if args.targets == "topk" else args.samples
     return {
@@ -493,7 +503,7 @@ def plan(args, model, L, ranks, cache_bytes=None, measured=None, gpu="H100", kin
     kinds = cards() if kinds is None else kinds
     train_flops, cache_flops, tokens = run_flops(args, model, L)
     compiled = bool(getattr(args, "compile", False))
-    act = {mode: activation_bytes(model, mode, ranks > 1, compiled) for mode in MODES}
+    act = {mode: activation_bytes(model, mode, ranks > 1, compiled, seq_len=args.seq_len) for mode in MODES}
     lines = [f"plan: training {train_flops:.3g} FLOP ({args.search_steps} search steps at {L} "
              f"layers, {args.steps - args.search_steps} at {args.keep}), teacher cache "
              f"{cache_flops:.3g} FLOP (its forward over the {tokens:,} tokens); activations a token "
