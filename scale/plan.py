@@ -74,9 +74,9 @@ MoE layer: top-k x the expert's), h heads; r the residual stream's bytes, c the 
 
 Compiled (torch.compile's partitioner, each layer one graph): without checkpointing a norm keeps
 only its input and 1 / rms (the normed x, the casts and the outputs recomputed; q/k norms: the
-projections' c-byte outputs and 1 / rms), the second
-norm's input taken as the attention's c-byte output (min(r, c) d); with selective checkpointing
-the down projection's output goes (nothing needs it: c d less); full as eager.
+projections' c-byte outputs and 1 / rms), the residual after attention recomputed from the
+attention's c-byte output (min(r, c) d); with selective checkpointing the down projection's
+output goes where no post-norm reads it (c d less; Gemma's keep it); full as eager.
 
 The residual stream, r: bf16 (2) under FSDP2, as torchtitan keeps it: its MixedPrecisionPolicy
 casts each layer's input to bf16 and the layer's norms and adds then run in bf16 (its output is
@@ -219,10 +219,11 @@ def layer_bytes(layer, cfg, mode, r, c, compiled=False, seq_len=0):
         inter = cfg.intermediate_size
     sdpa = c * q + 4 * h  # SDPA's output, and its fp32 log-sum-exp
     if mode == "selective":  # the input and every matmul's output: q k v o, the MLP's three, SDPA
-        down = c * d * (top if experts is not None else 1)
-        kept = (r * d + c * (q + 2 * k + d) + sdpa + c * 2 * inter + down
-                + (c * E if experts is not None else 0))
-        return kept - (down if compiled else 0)  # compiled: down's output goes (nothing needs it)
+        if experts is not None:  # the router's logits; the experts' grouped matmul is no matmul
+            return r * d + c * (q + 2 * k + d) + sdpa + c * E  # the policy keeps: recomputed
+        kept = r * d + c * (q + 2 * k + d) + sdpa + c * (2 * inter + d)
+        # compiled: down's output goes where nothing needs it (no post-norm reads it, Gemma's does)
+        return kept - (c * d if compiled and not gemma else 0)
     autocast = c < r  # one process: every linear casts its fp32 input, a bf16 copy each
     # a norm's normed x is kept for its weight's gradient: none for a frozen weight (LoRA)
     normed = 1 if layer.input_layernorm.weight.requires_grad else 0
@@ -230,8 +231,9 @@ def layer_bytes(layer, cfg, mode, r, c, compiled=False, seq_len=0):
         norms = 4 * (4 * d + normed * 4 * d + 4)
     else:  # x in fp32, 1 / rms, the normed x cast back (r bytes); each pre-norm
         norms = 2 * (4 * d + normed * r * d + 4)
-    if compiled:  # the partitioner recomputes a norm from its input and 1 / rms; the second's
-        norms = r * d + min(r, c) * d + 8  # input (the residual) from the bf16 attention output
+    if compiled:  # the partitioner recomputes a norm from its input and 1 / rms; the residual
+        # after attention from the attention's output (c bytes); Gemma's post-norms keep theirs
+        norms = r * d + 2 * c * d + 16 if gemma else r * d + min(r, c) * d + 8
     linears = (3 + (1 if experts is not None else 2)) if autocast else 0  # q k v; gate up (router)
     outputs = (linears * c * d if autocast else 2 * r * d) if not compiled else 0
     qk_norms = 0
@@ -240,8 +242,9 @@ def layer_bytes(layer, cfg, mode, r, c, compiled=False, seq_len=0):
         if compiled:  # recomputed from the projections' outputs and 1 / rms
             qk_norms = c * (q + k) + 4 * (h + hk)
     mlp_bytes = 4 * c * inter  # gate, act(gate), up, their product
-    if experts is not None:  # + each copy's input and output, the router's probabilities
-        mlp_bytes += top * (2 * c * d + 4 + 8) + 4 * E
+    if experts is not None:  # in the stream's dtype (autocast does not cast the grouped matmul):
+        mlp_bytes = 4 * r * inter + top * (2 * r * d + 4 + 8) + 4 * E  # + each copy's input and
+        # output, its weight and index; the router's probabilities
     window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(cfg, "sliding_window", None)
     masked = 0
     if window and seq_len > window:  # SDPA with a mask, not its causal flag: k and v repeated to
