@@ -119,6 +119,24 @@ def bytes_a_token(argv, out, seq_len, micro_batches=(1, 2)):
     return {key: (runs[1][key] - runs[0][key]) / ((b - a) * seq_len) for key in runs[0]}
 
 
+def modelled(model, mode, r, c, compiled, search, seq_len):
+    """scale.plan's bytes a token, the mean over the layers this script measures (all but the first
+    and the last: Gemma-3's sixth, full attention, has no sliding window's mask), + the gate's."""
+    from scale.plan import layer_bytes, text_config
+    from surgery import decoder_layers
+    layers, cfg = decoder_layers(model)[1:-1], text_config(model)
+    kept = sum(layer_bytes(layer, cfg, mode, r, c, compiled, seq_len) for layer in layers) / len(layers)
+    return kept + (r * cfg.hidden_size if search else 0)
+
+
+def shape_of(folder):
+    """The model of a checkpoint folder on the meta device (config alone)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+
+
 ARCHS = ("llama", "qwen3", "gemma3_text", "qwen3_moe")
 MODES = ("none", "selective", "full")
 
@@ -180,8 +198,11 @@ def main(argv=None):
                             "--activation-checkpointing", mode, "--compile" if compiled == "1" else "--no-compile"]
                     with autocast_here(dtype == "bf16"):
                         got = bytes_a_token(argv, work / f"{arch}-{dtype}-{compiled}-{mode}", a.seq_len, (1, 4))
+                    c, shape = (2 if dtype == "bf16" else 4), shape_of(model)
+                    plan = {f"{phase}_modelled": modelled(shape, mode, 4, c, compiled == "1", phase == "search",
+                                                          a.seq_len) for phase in ("search", "finetune")}
                     print(json.dumps({"arch": arch, "dtype": dtype, "compiled": compiled == "1", "mode": mode,
-                                      **{k: round(v, 1) for k, v in got.items()}}), flush=True)
+                                      **{k: round(v, 1) for k, v in {**got, **plan}.items()}}), flush=True)
 
 
 if __name__ == "__main__":
