@@ -37,7 +37,7 @@ def test_the_grid_command_at_tiny_sizes(tmp_path, make_tiny, models, methods):
            "SMOLLM2": make_tiny("llama", 30), "GEMMA3": make_tiny("gemma3_text", 18),
            "MODELS": models, "METHODS": methods}
     done = subprocess.run(["bash", "experiments/compare.sh", "paper-regime"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     smol, gemma = tmp_path / "results", tmp_path / "results-gemma3"
     names = {p.stem for p in smol.glob("*.json")} | {p.stem for p in gemma.glob("*.json")}
