@@ -24,9 +24,8 @@ import math
 import platform
 import statistics
 import sys
+from importlib.metadata import version
 from pathlib import Path
-
-import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # the order of the table; a method not run yet is left out
@@ -157,7 +156,7 @@ def record(run_dir, method, seed, out, *evals):
            "flags": info.get("flags"), "step": info.get("step"),
            "search": search_record(info),  # and S at each search step (log.jsonl's)
            "trajectory": [e["scores"] for e in log if e["event"] == "search"],
-           "python": platform.python_version(), "torch": torch.__version__, "corpora": {}}
+           "python": platform.python_version(), "torch": version("torch"), "corpora": {}}
     for path in evals:
         rep = json.loads(Path(path).read_text())
         corpus = Path(path).stem.split("eval-", 1)[-1]

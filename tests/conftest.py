@@ -19,6 +19,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: one thread a worker, s
     torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(items):
+    """The tests marked `first` go first (stably: the rest keep their order)."""
+    items.sort(key=lambda item: item.get_closest_marker("first") is None)
+
+
 def free_port():
     """A port nothing listens on now, for torchrun's --master_port (pytest -n runs several)."""
     with socket.socket() as sock:

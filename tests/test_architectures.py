@@ -18,7 +18,7 @@ from scale.fused_loss import check_logits_path, last_layer_output
 from scale.lora import lora_targets
 from surgery import (LayerGates, check_removable, decoder_layers, export_pruned, kl_importance,
                      pruned_config, remove_layers)
-from test_prune import (corpus, events, one_line_error, run,  # noqa: F401
+from test_prune import (corpus, events, one_line_error, run, run_here,  # noqa: F401
                         tiny_args, weights)  # (corpus: a fixture)
 
 L, KEEP = 6, [0, 2, 3, 5]  # removes layers 1 and 4: a dense and a sparse one in every MoE below
@@ -389,12 +389,12 @@ def saved(tmp_path_factory, tokenizer):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, extra", [("deepseek_v3", []), ("qwen2_moe", ["--lora-rank", "4"])])
-def test_moe_two_fsdp_ranks_match_one_process(arch, extra, saved, corpus, tmp_path):
+def test_moe_two_fsdp_ranks_match_one_process(arch, extra, saved, corpus, tmp_path, monkeypatch):  # noqa: F811
     """prune.py end to end on MoE models (KL importance, Gumbel search, removal, AKD, export): 2
     gloo ranks under FSDP2 == 1 process; Qwen2-MoE with LoRA on attention and the dense/shared MLPs.
     The export reloads with every weight in place."""
     one, two = tmp_path / "one", tmp_path / "two"
-    run(tiny_args(saved(arch), corpus, one, *extra), tmp_path)
+    run_here(tiny_args(saved(arch), corpus, one, *extra), tmp_path, monkeypatch)
     run(tiny_args(saved(arch), corpus, two, *extra), tmp_path, nproc=2)
     assert events(two, "pruned")[0]["kept"] == events(one, "pruned")[0]["kept"]
     a, b = weights(one), weights(two)

@@ -11,9 +11,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.first  # the longest test by minutes
 def test_prune_with_no_arguments_runs_the_demo(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "prune.py")], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=1800)
+                          timeout=3600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     done = json.loads(proc.stdout.split("done: ")[-1])
     assert done["layers"] == "30 -> 20" and len(done["kept_layers"]) == 20

@@ -228,12 +228,12 @@ def test_two_fsdp_ranks_match_one_process(single_run, two_rank_run):
 
 
 @pytest.mark.slow  # more ranks or processes than the default run's one of each
-def test_two_fsdp_ranks_with_lora_match_one_process(make_tiny, corpus, tmp_path):
+def test_two_fsdp_ranks_with_lora_match_one_process(make_tiny, corpus, tmp_path, monkeypatch):
     """Rank 1 builds the model on the meta device, LoRA factors included, and gets everything from rank 0:
     a wrong shard, a garbage buffer (Qwen3's rotary inv_freq) or an untied embedding would show here."""
     model = make_tiny("qwen3", L)
     one, two = tmp_path / "one", tmp_path / "two"
-    run(tiny_args(model, corpus, one, "--lora-rank", "4"), tmp_path)
+    run_here(tiny_args(model, corpus, one, "--lora-rank", "4"), tmp_path, monkeypatch)
     run(tiny_args(model, corpus, two, "--lora-rank", "4"), tmp_path, nproc=2)
     assert events(two, "pruned")[0]["kept"] == events(one, "pruned")[0]["kept"]
     a, b = weights(one), weights(two)
@@ -438,17 +438,18 @@ def test_keep_only_the_protected_layers(make_tiny, corpus, tmp_path, monkeypatch
 
 
 @pytest.mark.slow  # a variant of a run the default tests make: a flag's own path
-def test_given_layers_train_exactly_as_the_search_free_run_that_chose_them(make_tiny, corpus, tmp_path):
+def test_given_layers_train_exactly_as_the_search_free_run_that_chose_them(make_tiny, corpus, tmp_path, monkeypatch,
+                                                                           capsys):
     """--layers skips stages 1 and 2: given the layers that KL one-shot (--search none) keeps, it trains
     bit for bit the same model (same seed, same data order), as --search-frac 0 does; a set without
     the protected layers fails."""
     model = make_tiny("llama", L)
     oneshot, given = tmp_path / "oneshot", tmp_path / "given"
-    run(tiny_args(model, corpus, oneshot, "--search", "none", "--steps", "4"), tmp_path)
+    run_here(tiny_args(model, corpus, oneshot, "--search", "none", "--steps", "4"), tmp_path, monkeypatch)
     kept = json.loads((oneshot / "model" / "pruning.json").read_text())["kept_layers"]
     a = tiny_args(model, corpus, given, "--steps", "4", "--layers", ",".join(map(str, kept)))
     a.remove("--keep"), a.remove(str(K))  # k is the number of given layers
-    run(a, tmp_path)
+    run_here(a, tmp_path, monkeypatch)
     meta = json.loads((given / "model" / "pruning.json").read_text())
     assert meta["kept_layers"] == kept and "init=given search=none" in meta["method"]
     assert not events(given, "search") and events(given, "importance")[0]["method"] == "given"
@@ -456,24 +457,24 @@ def test_given_layers_train_exactly_as_the_search_free_run_that_chose_them(make_
     assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
     # --search-frac 0 (T_M = 0): the Gumbel search takes no step, the top-k of S_0 as --search none
     no_steps = tmp_path / "no-steps"
-    run(tiny_args(model, corpus, no_steps, "--steps", "4", "--search-frac", "0"), tmp_path)
+    run_here(tiny_args(model, corpus, no_steps, "--steps", "4", "--search-frac", "0"), tmp_path, monkeypatch)
     assert not events(no_steps, "search") and events(no_steps, "pruned")[0]["kept"] == kept
     w3 = weights(no_steps)
     assert w3.keys() == w1.keys() and all(torch.equal(w1[k], w3[k]) for k in w1)
     free = [i for i in range(1, L - 1) if i not in kept]
     no_first = free + kept[2:]  # K layers, but not the protected layer 0
-    bad = tiny_args(model, corpus, tmp_path / "bad", "--layers", ",".join(map(str, no_first)))
-    assert_one_line_error(run(bad, tmp_path, check=False), "--layers")
+    one_line_error(tiny_args(model, corpus, tmp_path / "bad", "--layers", ",".join(map(str, no_first))),
+                   capsys, "--layers")
 
 
 @pytest.mark.slow  # by default: 2 ranks == 1 process with the search
-def test_given_layers_on_two_ranks_match_one_process(make_tiny, corpus, tmp_path):
+def test_given_layers_on_two_ranks_match_one_process(make_tiny, corpus, tmp_path, monkeypatch):
     """Pruned before the first training step (--layers; the same path as --search none): under FSDP the
     root unit (embeddings, final norm, LM head) must train as in one process, and checkpoints work."""
     model = make_tiny("llama", L)
     one, two = tmp_path / "one", tmp_path / "two"
     a = ["--layers", "0,2,3,5", "--ckpt-every", "3"]
-    run(tiny_args(model, corpus, one, *a), tmp_path)  # --keep 4 = the 4 given layers
+    run_here(tiny_args(model, corpus, one, *a), tmp_path, monkeypatch)  # --keep 4 = the 4 given layers
     run(tiny_args(model, corpus, two, *a), tmp_path, nproc=2)
     source = load_file(str(Path(model) / "model.safetensors"))
     trained = weights(one)
@@ -644,7 +645,7 @@ def test_exported_initial_scores_are_the_importance_not_the_searched_scores(sing
 
 
 @pytest.mark.slow  # a variant of a run the default tests make: a flag's own path
-def test_a_cache_without_a_validation_split_validates_nothing(make_tiny, corpus, tmp_path):
+def test_a_cache_without_a_validation_split_validates_nothing(make_tiny, corpus, tmp_path, monkeypatch, capsys):
     """A cache built with --val-frac 0 has no validation sequences: the run trains and exports, and
     logs no validation (it logged 0/0 = NaN at every one, silently)."""
     from cache_teacher import build_cache
@@ -654,9 +655,9 @@ def test_a_cache_without_a_validation_split_validates_nothing(make_tiny, corpus,
     out = tmp_path / "run"
     a = tiny_args(model, corpus, out, "--cache", cache)
     a.remove("--seq-len"), a.remove("32")
-    proc = run(a, tmp_path)
+    run_here(a, tmp_path, monkeypatch)
     assert not events(out, "val") and "NaN" not in (out / "log.jsonl").read_text()
-    done = json.loads(proc.stdout.split("done: ")[-1])
+    done = json.loads(capsys.readouterr().out.split("done: ")[-1])
     assert not any(k.startswith("val") for k in done) and len(done["kept_layers"]) == K
 
 
@@ -718,22 +719,21 @@ def test_a_tokenizer_with_more_ids_than_the_embedding_is_refused_before_any_work
 
 
 @pytest.mark.slow  # a variant of a run the default tests make: a flag's own path
-def test_the_search_steps_read_their_own_batch_size(make_tiny, corpus, tmp_path):
+def test_the_search_steps_read_their_own_batch_size(make_tiny, corpus, tmp_path, monkeypatch, capsys):
     """--search-batch-size: the search's T_M steps read that many sequences a step, the fine-tune
     --batch-size (the ablation of the tokens a search step sees, its steps and the fine-tune held):
     the tokens logged step by step and in the summary, written out here; a batch the ranks and
     micro-batches cannot split is one error line."""
     out = tmp_path / "run"
     args = tiny_args(make_tiny("llama", L), corpus, out, "--search-batch-size", "2")
-    run(args, tmp_path)  # 8 steps, a search of 4 at 2 x 32 tokens, then 4 at 4 x 32
+    run_here(args, tmp_path, monkeypatch)  # 8 steps, a search of 4 at 2 x 32 tokens, then 4 at 4 x 32
     tokens = [e["tokens"] for e in events(out, "train")]
     assert tokens == [64, 128, 192, 256, 384, 512, 640, 768]
     done = events(out, "done")[0]
     assert done["tokens_trained"] == 768
     assert json.loads((out / "model" / "pruning.json").read_text())["tokens_trained"] == 768
-    r = run(args[:-2] + ["--out", str(tmp_path / "bad"), "--search-batch-size", "3", "--micro-batch", "2"],
-            tmp_path, check=False)
-    assert r.returncode == 2 and "--search-batch-size 3 must be a multiple" in r.stderr
+    one_line_error(args[:-2] + ["--out", str(tmp_path / "bad"), "--search-batch-size", "3", "--micro-batch", "2"],
+                   capsys, "--search-batch-size 3 must be a multiple")
 
 
 def test_compile_and_selective_checkpointing_train_what_eager_trains(single_run, make_tiny, corpus, tmp_path):

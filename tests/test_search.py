@@ -25,7 +25,7 @@ from cache_teacher import TeacherCache, build_cache
 from conftest import free_port, tiny_config, torchrun_failure
 from prune import plain_losses
 from surgery import decoder_layers
-from test_prune import corpus, events, kill_after_first_checkpoint, run, run_here  # noqa: F401  (corpus: a fixture)
+from test_prune import corpus, events, kill_after_first_checkpoint, run_here  # noqa: F401  (corpus: a fixture)
 
 V = 49152
 
@@ -381,23 +381,27 @@ def test_prune_py_evo_and_random_search_find_the_planted_layers(method, planted,
 
 
 @pytest.mark.slow  # by default: evo in one process, and kill + resume
-def test_evo_run_killed_and_resumed_reports_its_search_tokens_and_plans_them(planted, corpus, tmp_path):  # noqa: F811
-    """The plan line states evo's forward-token budget before anything runs; a run killed after its first
-    checkpoint and resumed still reports the forward tokens its search spent before the kill (the old
-    code wrote 0: the count was not in the checkpoint), the same as the uninterrupted run."""
+def test_evo_run_killed_and_resumed_reports_its_search_tokens_and_plans_them(planted, corpus, tmp_path,  # noqa: F811
+                                                                            monkeypatch, capsys):
+    """--plan states evo's forward-token budget before anything runs, and the search keeps within it;
+    a run killed after its first checkpoint and resumed still reports the forward tokens its search
+    spent before the kill (the old code wrote 0: the count was not in the checkpoint), the same as
+    the uninterrupted run."""
     path, _ = planted
     args = ["--model", path, "--keep", str(L_PLANT - 2), "--search", "evo", "--evo-generations", "3",
             "--evo-offspring", "4", "--evo-stages", "64:2,256:1", "--data", corpus, "--seq-len", "32",
             "--batch-size", "4", "--micro-batch", "4", "--steps", "4", "--warmup", "1", "--n-calib", "2",
             "--eval-every", "100", "--ckpt-every", "2"]
-    whole = run(args + ["--out", str(tmp_path / "whole")], tmp_path)
+    run_here(args + ["--plan", "1"], tmp_path, monkeypatch)
     # the first parent on 256 tokens, then 3 generations of 4 children x 64 + 2 survivors x 256
-    assert "evo search <= 2,560 forward tokens" in whole.stdout
+    assert "plan: evo search <= 2,560 forward tokens" in capsys.readouterr().out
+    run_here(args + ["--out", str(tmp_path / "whole")], tmp_path, monkeypatch)
     kill_after_first_checkpoint(args + ["--out", str(tmp_path / "killed")], tmp_path, 1)
-    run(args + ["--out", str(tmp_path / "killed"), "--resume"], tmp_path)
+    run_here(args + ["--out", str(tmp_path / "killed"), "--resume"], tmp_path, monkeypatch)
     spent = [json.loads((tmp_path / r / "model" / "pruning.json").read_text())["search_forward_tokens"]
              for r in ("whole", "killed")]
-    assert spent[0] == spent[1] == events(tmp_path / "whole", "layer_search")[-1]["forward_tokens"] > 0
+    assert spent[0] == spent[1] == events(tmp_path / "whole", "layer_search")[-1]["forward_tokens"]
+    assert 0 < spent[0] <= 2560
 
 
 EVO_ON_RANKS = """

@@ -303,7 +303,7 @@ def test_hybrid_cache_bytes_and_draws_from_the_rest(tiny_model, tmp_path):
 # prune.py with each target: the kind read from the cache, --kd-tail, --kd-full; the fused head (one
 # process and two vocabulary-parallel ranks) computes what kd.py does
 
-from test_prune import L, corpus, events, one_line_error, run, tiny_args  # noqa: E402,F401
+from test_prune import L, corpus, events, one_line_error, run, run_here, tiny_args  # noqa: E402,F401
 
 
 def train_losses(out):
@@ -388,14 +388,15 @@ def test_kd_full_distils_the_teacher_in_the_dtype_that_made_the_cache(make_tiny,
 # two ranks (slow): the default run has one process with each target and two ranks with the top-K
 @pytest.mark.slow
 @pytest.mark.parametrize("targets", ["sampled", "hybrid"])
-def test_two_ranks_with_a_sampled_cache_match_one_process(make_tiny, corpus, tmp_path, targets):  # noqa: F811
+def test_two_ranks_with_a_sampled_cache_match_one_process(make_tiny, corpus, tmp_path, monkeypatch, targets):  # noqa: F811
     """Two FSDP2 ranks (the vocabulary-parallel head fused with the loss) against one process on the
     plain logits path, over a sampled (or hybrid) cache: the same losses."""
     model = make_tiny("llama", L)
     sampled = build_cache(model, corpus, tmp_path / "sampled-cache", targets=targets, samples=8, seq_len=32,
                           max_tokens=4096, topk=4)
-    for out, n in (("one", 1), ("two", 2)):
-        run(tiny_args(model, corpus, tmp_path / out, "--steps", "4", "--cache", sampled), tmp_path, nproc=n)
+    args = lambda out: tiny_args(model, corpus, tmp_path / out, "--steps", "4", "--cache", sampled)  # noqa: E731
+    run_here(args("one"), tmp_path, monkeypatch)
+    run(args("two"), tmp_path, nproc=2)
     assert train_losses(tmp_path / "two") == pytest.approx(train_losses(tmp_path / "one"), rel=1e-3)
     assert events(tmp_path / "two", "pruned")[0]["kept"] == events(tmp_path / "one", "pruned")[0]["kept"]
 
