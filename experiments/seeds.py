@@ -35,7 +35,8 @@ METHODS = ["shortgpt", "minitron", "sheared", "kl-oneshot", "random", "evo", "e3
            "kl-calib-mix", "kl-oneshot-4x", "e3-akd-4x",
            "topk-kd", "topk-akd", "tail-kd", "tail-akd", "sampled8-kd", "sampled12-kd", "sampled24-kd",
            "sampled8-akd", "sampled12-akd", "sampled24-akd", "hybrid-kd", "hybrid-akd", "hybrid16-kd",
-           "full-kd", "e3-hybrid", "e3-hybrid16"]
+           "full-kd", "e3-hybrid", "e3-hybrid16",
+           "reverse", "reverse-partial", "kl-mixture", "e3-mixture", "e3-guard"]
 # compare.sh paper-regime: the paper's schedule (T = 1200, T_M = 120), per model; the search-batch
 # arms name the tokens of one search step (the fine-tune's batch unchanged)
 PAPER_MODELS = {"": "SmolLM2-135M 30 -> 20", "-gemma": "Gemma-3-270M 18 -> 12"}
@@ -67,6 +68,12 @@ LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitr
           "kl-oneshot-4x": "KL one-shot + AKD, 4x tokens",
           "e3-hybrid": "E3 (AKD), hybrid targets (top-8 + 12 draws from the rest)", "e3-akd-4x": "E3 (AKD), 4x tokens",
           "e3-hybrid16": "E3 (AKD), hybrid targets (top-16 + 24 draws from the rest)",
+          # issue 54: Lu et al.'s reverse order; the mixture of the three domains, a third each
+          "reverse": "reverse order (Lu et al.) + AKD",
+          "reverse-partial": "reverse order + partial fine-tune (head, norm, last 3 layers; AKD)",
+          "kl-mixture": "KL one-shot + AKD, calibrated on the mixture",
+          "e3-mixture": "E3 (AKD), calibration and search on the mixture",
+          "e3-guard": "E3 (AKD) on the mixture, the cut guarded by held-out KL",
           # the teacher targets, each on KL one-shot's layers (kl-oneshot = top-K AKD there)
           **{f"{t}-{loss}": f"{name} {loss.upper()} (KL one-shot's layers)"
              for t, name in (("topk", "top-10"), ("tail", "top-10 + tail"),
@@ -99,7 +106,12 @@ PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot
          ("sampled12-kd-4x", "full-kd-4x"), ("sampled12-kd-4x", "sampled12-kd"),
          ("full-kd-4x", "full-kd"), ("hybrid-kd", "full-kd"), ("hybrid-kd", "sampled24-kd"),
          ("hybrid-akd", "full-kd"), ("hybrid-kd-4x", "full-kd-4x"), ("hybrid-kd-4x", "hybrid-kd"),
-         ("e3-hybrid", "e3-akd"), ("e3-hybrid", "hybrid-akd"), ("e3-hybrid16", "e3-hybrid")]
+         ("e3-hybrid", "e3-akd"), ("e3-hybrid", "hybrid-akd"), ("e3-hybrid16", "e3-hybrid"),
+         # issue 54: each against KL one-shot, and each change against the run it changes
+         ("reverse", "kl-oneshot"), ("reverse-partial", "kl-oneshot"), ("kl-mixture", "kl-oneshot"),
+         ("e3-mixture", "kl-oneshot"), ("e3-guard", "kl-oneshot"), ("reverse-partial", "reverse"),
+         ("e3-mixture", "e3-akd"), ("e3-guard", "e3-mixture"), ("e3-mixture", "kl-mixture"),
+         ("e3-guard", "kl-mixture")]
 # at the paper's schedule: each search (and each search batch) against KL one-shot, per model
 PAIRS += [(f"{m}-paper{x}", f"kl-oneshot-paper{x}") for x in PAPER_MODELS
           for m in PAPER_METHODS if m != "kl-oneshot"] + [("e3-sb1k-paired", "kl-oneshot-sb1k-paired")]
