@@ -83,9 +83,9 @@ def test_the_guard_keeps_the_held_out_best_of_the_sets_visited(make_tiny, source
     root, ids, tok = sources
     spec = f"{root}/a.txt:0.5,{root}/c.txt:0.5"
     out = tmp_path / "run"
-    args = tiny_args(model_path, str(root / "b.txt"), out, "--search-data", spec, "--guard", "4",
-                     "--lr", "0", "--score-lr", "3.0", "--seed", "1", "--steps", "12", "--until", "cut")
-    run_here(args, tmp_path, monkeypatch)
+    extra = ["--search-data", spec, "--guard", "4", "--lr", "0", "--score-lr", "3.0", "--seed", "1",
+             "--steps", "12", "--until", "cut"]
+    run_here(tiny_args(model_path, str(root / "b.txt"), out, *extra), tmp_path, monkeypatch)
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     S = [e["scores"] for e in log if e["event"] == "importance"] + [e["scores"] for e in log
                                                                     if e["event"] == "search"]
@@ -111,3 +111,9 @@ def test_the_guard_keeps_the_held_out_best_of_the_sets_visited(make_tiny, source
         assert v == pytest.approx(ref[tuple(s)], rel=1e-5)
     assert guard["kept"] == list(min(ref, key=ref.get))
     assert json.loads((out / "stopped.json").read_text())["kept_layers"] == guard["kept"]
+    # stopped mid-search and resumed: the sets visited before the stop come back with the checkpoint
+    part = tmp_path / "part"
+    run_here(tiny_args(model_path, str(root / "b.txt"), part, *extra, "--until", "3"), tmp_path, monkeypatch)
+    run_here(tiny_args(model_path, str(root / "b.txt"), part, *extra, "--resume"), tmp_path, monkeypatch)
+    assert [e for e in map(json.loads, (part / "log.jsonl").read_text().splitlines())
+            if e["event"] == "guard"] == [guard]

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from conftest import tiny_config
-from test_prune import corpus, run_here, tiny_args  # noqa: F401
+from test_prune import corpus, run, run_here, tiny_args  # noqa: F401
 
 # (L, k, protect-last) -> the layers removed, written out. Lu et al.'s own two: Llama-3.1-8B keeps
 # `range(24)` of 32, Gemma-2-2B `range(20)` of 26 (prune_llm.py, --pr_method tail): the last layer
@@ -55,6 +55,23 @@ def test_partial_finetune_trains_only_the_head_norm_and_last_layers(chunk, make_
         else:
             assert torch.equal(w, src[name]), f"{name} moved though frozen"
     assert trained - {"model.embed_tokens.weight", "model.norm.weight"} and set(got) - trained
+
+
+@pytest.mark.slow
+def test_partial_finetune_on_two_fsdp_ranks_matches_one_process(make_tiny, corpus, tmp_path):  # noqa: F811
+    """Two FSDP2 ranks (sharded layers, the vocabulary-parallel tied head fused with the loss) with
+    --train-last 2: the frozen layers are the source's bit for bit, the rest as one process's."""
+    model = make_tiny("llama", 6)
+    flags = ["--init", "reverse", "--search", "none", "--protect-last", "0", "--train-last", "2"]
+    run(tiny_args(model, corpus, tmp_path / "one", *flags), tmp_path)
+    run(tiny_args(model, corpus, tmp_path / "two", *flags), tmp_path, nproc=2)
+    src, one = source_weights(model), load_file(str(tmp_path / "one" / "model" / "model.safetensors"))
+    two = load_file(str(tmp_path / "two" / "model" / "model.safetensors"))
+    for name, w in two.items():
+        if name.startswith(("model.layers.0.", "model.layers.1.")):
+            assert torch.equal(w, src[name]), f"{name} moved though frozen"
+        else:
+            torch.testing.assert_close(w, one[name], rtol=1e-4, atol=1e-5)
 
 
 def test_partial_finetune_gradients_are_the_whole_models(make_tiny):
