@@ -57,8 +57,7 @@ P="--model $M --seq-len 128 --batch-size 8 --micro-batch 4 --tokens 81920 --warm
 # tokens), and the random control at the same forward-token budget.
 E="--evo-generations 8 --evo-offspring 16 --evo-stages 128:2,4096:1"
 D=$R/domains  # the other domains' held-out text and the mixed calibration text (experiments/domains.py)
-mix() { echo "$D/$1-python-docs.jsonl:1,$D/$1-torch-code.jsonl:1,$D/$1-shakespeare.jsonl:1"; }
-CMIX=$(mix calib) SMIX=$(mix search)  # a third of each domain's tokens
+MIX="$D/search-python-docs.jsonl:1,$D/search-torch-code.jsonl:1,$D/search-shakespeare.jsonl:1"  # thirds
 KL=0,1,2,3,4,5,6,7,8,9,10,11,20,21,22,23,24,27,28,29  # KL one-shot's 20 layers (every seed's)
 declare -A METHOD=(
   [shortgpt]="--init bi --search none --steps 0"
@@ -109,14 +108,15 @@ declare -A METHOD=(
   # their prune_llm.py --pr_method tail: baselines/reverse.py), fine-tuned whole or by their partial
   # fine-tune (the LM head, the final norm and the last three kept layers); and the calibration and
   # the search on a mixture of the three domains in stated proportions, a third each (scale/data.py;
-  # the documents of calib-mix and search-mix, disjoint from every scored text), without and with
-  # the guard of the cut (baselines/guard.py: of the 8 sets the search visited and S_0's, the one
-  # with the least top-K KL on the held-out ends of the three search texts)
+  # search-mix's documents, disjoint from every scored text; the calibration reads the first 16
+  # blocks of the mixture, the search all 64 of its cache), without and with the guard of the cut
+  # (baselines/guard.py: of the 8 sets the search visited and S_0's, the one with the least top-K
+  # KL on the held-out ends of the three search texts, 4 blocks each)
   [reverse]="--init reverse --search none --protect-last 0 --loss akd"
   [reverse-partial]="--init reverse --search none --protect-last 0 --loss akd --train-last 3"
-  [kl-mixture]="--init kl --search none --loss akd --calib-data $CMIX"
-  [e3-mixture]="--loss akd --calib-data $CMIX --search-data $SMIX"
-  [e3-guard]="--loss akd --calib-data $CMIX --search-data $SMIX --guard 8"
+  [kl-mixture]="--init kl --search none --loss akd --calib-data $MIX"
+  [e3-mixture]="--loss akd --calib-data $MIX --search-data $MIX"
+  [e3-guard]="--loss akd --calib-data $MIX --search-data $MIX --guard 8"
 )
 if [ "${1:-main}" = main ]; then
   for m in shortgpt minitron sheared kl-oneshot e3-kd e3-akd; do run $m $P ${METHOD[$m]}; done

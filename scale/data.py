@@ -218,10 +218,11 @@ def mixture_blocks(corpus_blocks, tok, data, seq_len, max_tokens, val_frac, max_
         n = min(int(h / (w / sum(weights))) for h, w in zip(have, weights))  # what all supply
         want = (max_tokens if s == "train" else max_val_tokens or n * seq_len)
         if s == "train" and want and want // seq_len > n:
-            short = min(range(len(have)), key=lambda i: have[i] / weights[i])
-            raise E3Error(f"mixture source '{paths[short]}' holds {have[short]} blocks of {seq_len} "
-                          f"tokens, too few for its share of {want // seq_len}; add text or lower "
-                          f"the budget")
+            share = allot(want // seq_len, weights)
+            short = next(i for i in range(len(have)) if share[i] > have[i])
+            raise E3Error(f"mixture source '{paths[short]}' holds {have[short]} training blocks of "
+                          f"{seq_len} tokens, too few for its share, {share[short]} of "
+                          f"{want // seq_len}; add text or lower the budget")
         shares = allot(min(n, want // seq_len) if want else n, weights)
         out[s] = MixedBlocks([type(b[s])(b[s].tokens, b[s].start, k, seq_len)
                               for b, k in zip(whole, shares)], seq_len)
