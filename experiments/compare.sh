@@ -114,6 +114,8 @@ declare -A METHOD=(
   # KL on the held-out ends of the three search texts, 4 blocks each)
   [reverse]="--init reverse --search none --protect-last 0 --loss akd"
   [reverse-partial]="--init reverse --search none --protect-last 0 --loss akd --train-last 3"
+  # ... and with the last layer protected (prune.py's default): layers 19-28 go, not 20-29
+  [reverse-last]="--init reverse --search none --loss akd"
   [kl-mixture]="--init kl --search none --loss akd --calib-data $MIX"
   [e3-mixture]="--loss akd --calib-data $MIX --search-data $MIX"
   [e3-guard]="--loss akd --calib-data $MIX --search-data $MIX --guard 8"
@@ -224,7 +226,8 @@ print({c: round(v['ppl'], 2) for c, v in r['corpora'].items()})" $out)"
   elif [ "$1" = variants ]; then SEEDS=${SEEDS:-0} add e3-mix e3-search-mix evo-mix e3-masks2 \
     e3-masks8 e3-scale4 e3-lr-linear e3-search-kd e3-calib-mix kl-calib-mix
   elif [ "$1" = budget4x ]; then SEEDS=${SEEDS:-0 1 2} add kl-oneshot e3-akd
-  elif [ "$1" = robust ]; then add kl-oneshot e3-akd reverse reverse-partial e3-mixture e3-guard kl-mixture
+  elif [ "$1" = robust ]; then add kl-oneshot e3-akd reverse reverse-partial e3-mixture e3-guard kl-mixture \
+    reverse-last
   elif [ "$1" = targets ]; then SEEDS=${SEEDS:-0 1 2} add topk-kd sampled12-kd full-kd tail-kd \
     topk-akd sampled12-akd tail-akd hybrid-kd hybrid-akd sampled8-kd sampled24-kd sampled8-akd sampled24-akd \
     hybrid16-kd

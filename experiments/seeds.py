@@ -40,7 +40,7 @@ METHODS = ["shortgpt", "minitron", "sheared", "kl-oneshot", "random", "evo", "e3
            "topk-kd", "topk-akd", "tail-kd", "tail-akd", "sampled8-kd", "sampled12-kd", "sampled24-kd",
            "sampled8-akd", "sampled12-akd", "sampled24-akd", "hybrid-kd", "hybrid-akd", "hybrid16-kd",
            "full-kd", "e3-hybrid", "e3-hybrid16",
-           "reverse", "reverse-partial", "kl-mixture", "e3-mixture", "e3-guard"]
+           "reverse", "reverse-partial", "reverse-last", "kl-mixture", "e3-mixture", "e3-guard"]
 # compare.sh paper-regime: the paper's schedule (T = 1200, T_M = 120), per model; the search-batch
 # arms name the tokens of one search step (the fine-tune's batch unchanged)
 PAPER_MODELS = {"": "SmolLM2-135M 30 -> 20", "-gemma": "Gemma-3-270M 18 -> 12"}
@@ -75,6 +75,7 @@ LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitr
           # issue 54: Lu et al.'s reverse order; the mixture of the three domains, a third each
           "reverse": "reverse order (Lu et al.) + AKD",
           "reverse-partial": "reverse order + partial fine-tune (head, norm, last 3 layers; AKD)",
+          "reverse-last": "reverse order, the last layer kept (layers 19-28 removed) + AKD",
           "kl-mixture": "KL one-shot + AKD, calibrated on the mixture",
           "e3-mixture": "E3 (AKD), calibration and search on the mixture",
           "e3-guard": "E3 (AKD) on the mixture, the cut guarded by held-out KL",
@@ -115,7 +116,7 @@ PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot
          ("reverse", "kl-oneshot"), ("reverse-partial", "kl-oneshot"), ("kl-mixture", "kl-oneshot"),
          ("e3-mixture", "kl-oneshot"), ("e3-guard", "kl-oneshot"), ("reverse-partial", "reverse"),
          ("e3-mixture", "e3-akd"), ("e3-guard", "e3-mixture"), ("e3-mixture", "kl-mixture"),
-         ("e3-guard", "kl-mixture")]
+         ("e3-guard", "kl-mixture"), ("reverse-last", "kl-oneshot"), ("reverse-last", "reverse")]
 # at the paper's schedule: each search (and each search batch) against KL one-shot, per model
 PAIRS += [(f"{m}-paper{x}", f"kl-oneshot-paper{x}") for x in PAPER_MODELS
           for m in PAPER_METHODS if m != "kl-oneshot"] + [("e3-sb1k-paired", "kl-oneshot-sb1k-paired")]
@@ -334,8 +335,8 @@ def search_table(results_dir=RESULTS):
 
 # experiments/compare.sh robust (issue 54): which method and which search data hold up off the
 # training text; each against KL one-shot + AKD, paired by seed (the same data order and cache)
-ROBUST = ["kl-oneshot", "kl-mixture", "reverse", "reverse-partial", "e3-akd", "e3-mixture", "e3-guard",
-          "evo"]
+ROBUST = ["kl-oneshot", "kl-mixture", "reverse", "reverse-partial", "reverse-last", "e3-akd", "e3-mixture",
+          "e3-guard", "evo"]
 
 
 def jaccard(a, b):
