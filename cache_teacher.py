@@ -14,7 +14,7 @@ This file is also where a corpus is read (prune.py's and evaluate.py's too):
                `messages` rendered by the tokenizer's chat template), .parquet (a column), or a
                folder of them in path order; each document encoded as its tokenizer does by
                default and followed by EOS (a chat by its own turn ends); --seq-len blocks cut from
-               that stream with nothing inserted.
+               that stream with nothing inserted. SOURCE:WEIGHT,...: a mixture (scale/data.py).
   the split    the LAST n_val = max(floor(val_frac N), 4 (seq_len + 1)) tokens of the N-token stream
                are held out (validation, and evaluate.py's text); training blocks come from its
                start. A budget M stops reading at N = max(2^24, ceil((M + 4 (seq_len + 1)) /
@@ -30,6 +30,7 @@ killed build reruns the same command and computes only the missing shards.
 """
 import argparse
 import hashlib
+import importlib
 import itertools
 import json
 import math
@@ -264,6 +265,8 @@ def corpus_blocks(tok, data=None, seq_len=512, max_tokens=None, val_frac=DEFAULT
                   max_val_tokens=None, text_field="text", assistant_only=False):
     """{"train": Blocks, "val": Blocks}: up to max_tokens of training blocks from the start of the
     stream, up to max_val_tokens of held-out blocks from its end (the split above)."""
+    if data and ":" in str(data) and not Path(data).exists():  # SOURCE:WEIGHT,...: scale/data.py
+        return importlib.import_module("scale.data").mixture_blocks(corpus_blocks, **locals())  # by name
     need = None
     if max_tokens and val_frac < 1:  # reading may stop once the budget and the val end fit
         need = max(READ_WHOLE_TOKENS, math.ceil((max_tokens + MIN_VAL_BLOCKS * (seq_len + 1))

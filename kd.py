@@ -103,8 +103,7 @@ TARGETS = {
     "tail": lambda lp, b: tail_token_kl(lp, b["topk_ids"], b["topk_logprobs"]),
     "sampled": lambda lp, b: sampled_token_kl(lp, b["sample_ids"]),
     "hybrid": lambda lp, b: hybrid_token_kl(lp, b["topk_ids"], b["topk_logprobs"], b["sample_ids"]),
-    "full": lambda lp, b: full_token_kl(lp, b["teacher_logits"][..., :lp.shape[-1]]),
-}
+    "full": lambda lp, b: full_token_kl(lp, b["teacher_logits"][..., :lp.shape[-1]])}
 
 
 def kd_loss(student_logits, batch, weighted):
@@ -130,5 +129,4 @@ def next_token_loss(logits, input_ids, mask=None, loss_mask=None):
 LOSSES = {
     "akd": lambda logits, b: kd_loss(logits, b, weighted=True),
     "kd": lambda logits, b: kd_loss(logits, b, weighted=False),
-    "sft": lambda logits, b: next_token_loss(logits, b["input_ids"], b.get("mask"), b.get("loss_mask")),
-}
+    "sft": lambda logits, b: next_token_loss(logits, b["input_ids"], b.get("mask"), b.get("loss_mask"))}

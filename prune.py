@@ -91,11 +91,11 @@ def parse_args(argv=None):
     g.add_argument("--assistant-only", action="store_true", help="chats: loss on the reply only")
     g.add_argument("--out", help="run folder (default: runs/<model>-keep<k>)")
     g = p.add_argument_group("stage 1: importance (Sec. 3.2)")
-    g.add_argument("--init", choices=sorted(IMPORTANCE), default="kl", help="S_0: kl = KL with "
-                   "the layer bypassed (the paper); bi = ShortGPT's Block Influence; random")
+    g.add_argument("--init", choices=sorted(IMPORTANCE), default="kl", help="S_0: kl = KL with the "
+                   "layer bypassed (the paper); bi = ShortGPT's Block Influence; reverse = -l; random")
     g.add_argument("--layers", type=layer_list, help="keep these (0,1,4,...): fine-tuning only")
     g.add_argument("--n-calib", type=int, default=PAPER["n_calib"], help="calibration sequences")
-    g.add_argument("--calib-data", help="the calibration text, if not --data (or the cache)")
+    g.add_argument("--calib-data", help="the calibration text (default: --data; SRC:W,...: a mixture)")
     g.add_argument("--protect-first", type=int, default=1, help="first layers never pruned")
     g.add_argument("--protect-last", type=int, default=1, help="last layers never pruned")
     g = p.add_argument_group("stage 2: the layer search (Sec. 3.2, Alg. 1-2)")
@@ -110,7 +110,8 @@ def parse_args(argv=None):
     g.add_argument("--score-lr-schedule", choices=["constant", "linear"], default="constant",
                    help="linear: --score-lr down to --score-lr / T_M")
     g.add_argument("--search-loss", choices=sorted(kd.LOSSES), help="the search steps' (default: --loss)")
-    g.add_argument("--search-data", help="the search's own text and cache (default: --data)")
+    g.add_argument("--search-data", help="the search's text (default: --data; SRC:W,...: a mixture)")
+    g.add_argument("--guard", type=int, help="the cut: of the last N sets and S_0's the best by held-out KL")
     g.add_argument("--search-batch-size", type=int, help="sequences a search step (default: --batch-size)")
     g.add_argument("--evo-generations", type=int, help="evo: generations (default: r (L - r) / 1.5)")
     g.add_argument("--evo-offspring", type=int, default=PAPER["evo_offspring"], help="evo: children")
@@ -132,6 +133,7 @@ def parse_args(argv=None):
     g.add_argument("--kd-tail", action="store_true", help="KD over the top-K + the rest (kd.py)")
     g.add_argument("--kd-full", action="store_true", help="KD on the teacher's whole softmax, "
                    "the teacher beside the student (one process; the reference)")
+    g.add_argument("--train-last", type=int, help="after the cut, train the head, norm, last N layers")
     g.add_argument("--lr", type=float, default=PAPER["lr"], help="peak AdamW lr")
     g.add_argument("--warmup", type=steps_or_fraction, default=PAPER["warmup"],
                    help="linear warm-up steps (or T/n), then cosine to lr/10")
@@ -220,6 +222,8 @@ def parallelize_student(model, args, device, world):
 def make_optimizer(model, args, carried=None):
     """AdamW over the trainable weights; `carried`: the old optimizer's state, whose moments carry
     over for the parameters still here (a fresh Adam would restart its bias correction)."""
+    if args.train_last and len(decoder_layers(model)) == args.keep:  # after the cut: the rest frozen
+        importlib.import_module("baselines.reverse").train_only_last(model, args.train_last)
     params = [p for p in model.parameters() if p.requires_grad]
     # betas (0.9, 0.95), the usual LLM choice (the paper names AdamW and the lr); fused: one kernel
     # with no temporaries the size of all the weights
@@ -420,8 +424,8 @@ class GumbelTopKSearch(LayerSearch):
 #   SEARCHES[name](S0, args, L, T, protected, device): a surgery.LayerSearch          --search
 #   kd.LOSSES[name](logits, batch) -> the micro-batch's mean loss           --loss, --search-loss
 
-IMPORTANCE = {"kl": kl_importance,  # the paper's S_0 (Sec. 3.2)
-              "bi": "baselines.shortgpt:block_influence", "random": "baselines.shortgpt:random_scores"}
+IMPORTANCE = {"kl": kl_importance, "bi": "baselines.shortgpt:block_influence",  # kl: the paper's S_0
+              "random": "baselines.shortgpt:random_scores", "reverse": "baselines.reverse:reverse_order"}
 SEARCHES = {"gumbel": GumbelTopKSearch,  # the paper's search (Alg. 1-2)
             "none": LayerSearch,  # the top-k of S_0: KL one-shot
             "l0": "baselines.sheared:HardConcreteSearch", "evo": "baselines.evo:EvoSearch",
@@ -575,15 +579,6 @@ def check_args(args, config, L, world, vocab=0):
     return protected
 
 
-def full_teacher(args, cache):
-    """--kd-full: the model that made the cache, in its dtype, frozen, in eval mode; else None."""
-    if not (args.kd_full and cache):
-        return None
-    teacher = load_model(cache.meta["model"]["model"], args.device,
-                         getattr(torch, cache.meta.get("teacher_dtype", "float32")))[0]
-    return teacher.eval().requires_grad_(False)  # frozen: its forwards record no graph
-
-
 def make_losses(args, vocab, world):
     """losses(model, batch, kinds): kd.py's on the logits, or the LM head fused with them (scale/)."""
     autocast = args.device.type == "cuda" and world == 1  # bf16 matmuls; FSDP2 casts by its policy
@@ -710,7 +705,7 @@ def main(argv=None):
         calibration_batches(args, tok, None)
     run.create()
     model, _ = build_student(args, args.device, world, kept=resumed and resumed["kept"])
-    teacher = full_teacher(args, cache)
+    teacher = importlib.import_module("scale.teacher").full_teacher(args, cache) if args.kd_full else None
     opt = make_optimizer(model, args)
     losses = make_losses(args, vocab, world)
     print0(schedule_line(args, world, cache))
@@ -730,6 +725,8 @@ def main(argv=None):
         run.truncate_log(step)
         print0(f"resumed from {resumed['path']} at step {step} ({'search' if kept is None else 'finetune'})")
     search = registered(SEARCHES, args.search)(S0, args, L, T, protected, args.device)
+    if args.guard:  # the cut's set: the best by held-out KL of the last ones visited (baselines/)
+        search = importlib.import_module("baselines.guard").CutGuard(search, model, search_cache, losses, run.log)
     if resumed is not None:
         search.load_state_dict(resumed["search"])
     else:  # evo and random choose their layer set now, before any training

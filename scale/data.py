@@ -141,3 +141,89 @@ def micro_batch_weights(source, idx, n_micro, kind, world):
     if world > 1:
         torch.distributed.all_reduce(total)
     return (counts * world / total.clamp(min=1)).tolist()
+
+
+# -----------------------------------------------------------------------------
+# A mixture of corpora in stated proportions: any of --data, --calib-data, --search-data given as
+# SOURCE:WEIGHT,... ("python-docs.jsonl:0.5,torch-code.jsonl:0.3,plays/:0.2"); cache_teacher's
+# corpus_blocks hands such a spec here. The proportions are of the blocks (seq-len tokens each),
+# so of the tokens: N blocks split by the largest remainder of N w_i / sum(w), each source's from
+# its own start (its held-out end from its own end), then interleaved so that every prefix holds
+# the proportions too, within a block a source (the calibration reads the first --n-calib).
+
+def mixture_sources(spec):
+    """'a:0.5,b:0.3' -> [('a', 0.5), ('b', 0.3)]; one line naming the problem otherwise."""
+    sources = []
+    for part in str(spec).split(","):
+        path, _, weight = part.rpartition(":")
+        try:
+            sources.append((path, float(weight)))
+        except ValueError:
+            sources.append((part, float("nan")))
+        if not path or not sources[-1][1] > 0:
+            raise E3Error(f"'{spec}' is neither a file nor a mixture SOURCE:WEIGHT,... with weights > 0 "
+                          f"(e.g. a.txt:0.5,b.jsonl:0.5)")
+    return sources
+
+
+def allot(n, weights):
+    """n split into integer shares proportional to weights: each floor(n w_i / sum w), then the
+    blocks left over one each to the largest remainders (ties: the earlier source)."""
+    exact = [n * w / sum(weights) for w in weights]
+    shares = [int(x) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: shares[i] - exact[i])[:n - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+class MixedBlocks:
+    """Blocks (cache_teacher.Blocks) of several sources interleaved: source i's j-th block sits at
+    the rank of (j + 1/2) / n_i among all, so any first m rows hold ~m w_i of source i's."""
+
+    def __init__(self, parts, seq_len):
+        order = sorted(((j + 0.5) / len(b), i, j) for i, b in enumerate(parts) for j in range(len(b)))
+        self.parts, self.rows, self.seq_len = parts, [(i, j) for _, i, j in order], seq_len
+        self.n = len(self.rows)
+        # the hash of cache_teacher.Blocks, over these rows (it reads only self.n and self[a:b])
+        self.sha256 = type(parts[0]).sha256.__get__(self)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, rows):
+        a, b, _ = slice(rows.start, rows.stop).indices(self.n)
+        got = [self.parts[i][j:j + 1] for i, j in self.rows[a:b]]
+        return torch.cat(got) if got else torch.empty(0, self.seq_len, dtype=torch.long)
+
+    def source_rows(self):
+        """[(source, row in that source)] in order: which text each block is (tests, reports)."""
+        return list(self.rows)
+
+
+def mixture_blocks(corpus_blocks, tok, data, seq_len, max_tokens, val_frac, max_val_tokens,
+                   text_field="text", assistant_only=False):
+    """corpus_blocks (cache_teacher's, passed in: no wing imports a script) of a SOURCE:WEIGHT,...
+    spec: {"train", "val"} MixedBlocks. A budget of training tokens that a source cannot supply
+    its share of is refused; without one, the largest mixture all sources supply. The held-out
+    blocks are mixed alike, as many as the sources' ends hold in proportion."""
+    if assistant_only:
+        raise E3Error("--assistant-only reads one corpus, not a mixture; mix the chats into one file")
+    sources = mixture_sources(data)
+    paths, weights = [p for p, _ in sources], [w for _, w in sources]
+    whole = [corpus_blocks(tok, p, seq_len, max_tokens, val_frac, max_val_tokens, text_field)
+             for p in paths]  # each source read with the whole budget: enough for any share
+    out = {}
+    for s in ("train", "val"):
+        have = [len(b[s]) for b in whole]
+        n = min(int(h / (w / sum(weights))) for h, w in zip(have, weights))  # what all supply
+        want = (max_tokens if s == "train" else max_val_tokens or n * seq_len)
+        if s == "train" and want and want // seq_len > n:
+            share = allot(want // seq_len, weights)
+            short = next(i for i in range(len(have)) if share[i] > have[i])
+            raise E3Error(f"mixture source '{paths[short]}' holds {have[short]} training blocks of "
+                          f"{seq_len} tokens, too few for its share, {share[short]} of "
+                          f"{want // seq_len}; add text or lower the budget")
+        shares = allot(min(n, want // seq_len) if want else n, weights)
+        out[s] = MixedBlocks([type(b[s])(b[s].tokens, b[s].start, k, seq_len)
+                              for b, k in zip(whole, shares)], seq_len)
+    return out

@@ -46,3 +46,13 @@ def sharded(model, device):
     with torch.no_grad():  # one root forward first: FSDP2 initialises lazily, from the root down
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
     return model
+
+
+def full_teacher(args, cache):
+    """prune.py --kd-full: the model that made the cache, in its dtype, frozen, in eval mode (None
+    without a cache): the full-vocabulary reference target, beside the student in one process."""
+    if not cache:
+        return None
+    teacher = load_model(cache.meta["model"]["model"], args.device,
+                         getattr(torch, cache.meta.get("teacher_dtype", "float32")))[0]
+    return teacher.eval().requires_grad_(False)  # frozen: its forwards record no graph

@@ -1,0 +1,106 @@
+"""
+A guard of the cut against the search's training text (prune.py --guard N). The Gumbel-TopK search
+moves S wherever its training text's gradient points; at the paper's 120 steps the scores travel
+2-3 nats against S_0's gap of ~0.004 at the cut, so the set it keeps is the one its text (and its
+seed's noise) liked last, and off that text it loses to KL one-shot (experiments/RESULTS.md).
+
+The guard keeps the search as it is and changes only the choice at the cut. It records the top-k of
+S after every search step (the sets the cut would have kept then) and, when the T_M steps are done,
+scores each distinct set among
+
+    the last N steps' top-k sets,   and S_0's top-k (KL one-shot's set, where the search began)
+
+by the top-K KL to the teacher on HELD-OUT text (the cache's own "kd" loss, mean over the held-out
+positions, in eval mode, the weights as they are at the cut), and keeps the lowest: the final set
+on a tie. The held-out text is the search cache's held-out split: with --search-data the end of
+that text (of each source of a mixture, in its proportions: scale/data.py), which the search
+never reads; without it the held-out end of --data, the text prune.py validates on.
+
+So a search that found a set better than KL's on text it was not trained on keeps it, and one that
+drifted to its own text's taste falls back, at the cost of one forward of the held-out blocks per
+distinct candidate (a few: the set changes rarely in the last steps).
+"""
+import torch
+
+import kd
+from runtime import E3Error, print0
+from surgery import LayerGates, keep_mask, top_k_layers
+
+
+class CutGuard:
+    """Wraps an in-loop search (surgery.LayerSearch's protocol, every call passed on) and changes
+    only kept() at the cut."""
+
+    def __init__(self, search, model, cache, losses, log):
+        """search: the wrapped one (its args.guard: N); model, losses: the training loop's; cache:
+        the search's (its held-out split is scored); log: the run's log(**event)."""
+        last = search.args.guard
+        if not search.in_loop or last < 1:
+            raise E3Error("--guard N (N >= 1) guards the cut of a search that runs in the training "
+                          "steps (--search gumbel or l0)")
+        if not cache or cache.len_split("val") == 0:
+            raise E3Error("--guard scores the held-out split of the search's cache, and it has none: "
+                          "build the cache with a --val-frac above 0")
+        self.search, self.last, self.model, self.cache, self.losses, self.log = (
+            search, last, model, cache, losses, log)
+        self.visited = [top_k_layers(search.S, search.args.keep, search.protected)]  # S_0's top-k
+        self.choice, self.scores = None, {}
+
+    def __getattr__(self, name):  # the rest of the protocol: the wrapped search's
+        return getattr(self.__dict__["search"], name)
+
+    def step(self):
+        self.search.step()
+        self.visited.append(self.search.kept())
+
+    def candidates(self):
+        """The distinct sets of the last N steps, the final first, then S_0's."""
+        out = []
+        for s in self.visited[:0:-1][:self.last] + self.visited[:1]:
+            if s not in out:
+                out.append(s)
+        return out
+
+    def kept(self):
+        if self.choice is None and len(self.visited) > self.search.steps:  # the search is over
+            self.scores = {tuple(s): held_out_kl(self.model, self.cache, self.losses, s, self.search)
+                           for s in self.candidates()}
+            self.choice = list(min(self.scores, key=self.scores.get))  # ties: the first, the final
+            self.log(event="guard", step=self.search.steps, kept=self.choice,
+                     scores=[[list(s), v] for s, v in self.scores.items()])
+            print0("guard: held-out KL " + ", ".join(f"{v:.4f}" for v in self.scores.values())
+                   + f" -> kept {self.choice}")
+        return self.choice or self.search.kept()
+
+    def summary(self):
+        return {**self.search.summary(), **({"guard": [[list(s), v] for s, v in self.scores.items()]}
+                                            if self.scores else {})}
+
+    def state_dict(self):
+        return {**self.search.state_dict(), "guard_visited": self.visited}
+
+    def load_state_dict(self, state):
+        self.search.load_state_dict(state)
+        self.visited = state["guard_visited"]
+
+
+@torch.no_grad()
+def held_out_kl(model, cache, losses, kept, search):
+    """The mean "kd" loss (top-K KL to the cached teacher) over the counted positions of the
+    cache's held-out split, the model running only `kept` (the gates of eq. 1 at a hard mask)."""
+    n = cache.len_split("val")
+    gates, training = LayerGates(model), model.training
+    gates.mask = keep_mask(kept, search.L, search.S.device)
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for a in range(0, n, search.args.micro_batch):
+            batch = cache.get(range(a, min(a + search.args.micro_batch, n)), "val")
+            batch = {k: v.to(search.S.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            w = kd.counted(batch.get("loss_mask", torch.ones_like(batch["input_ids"])), "kd").sum()
+            total += float(losses(model, batch, ["kd"])[0]) * float(w)
+            count += float(w)
+    finally:
+        gates.remove()
+        model.train(training)
+    return total / max(count, 1)
