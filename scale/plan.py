@@ -242,9 +242,10 @@ def layer_bytes(layer, cfg, mode, r, c, compiled=False, seq_len=0):
         if compiled:  # recomputed from the projections' outputs and 1 / rms
             qk_norms = c * (q + k) + 4 * (h + hk)
     mlp_bytes = 4 * c * inter  # gate, act(gate), up, their product
-    if experts is not None:  # in the stream's dtype (autocast does not cast the grouped matmul):
-        mlp_bytes = 4 * r * inter + top * (2 * r * d + 4 + 8) + 4 * E  # + each copy's input and
-        # output, its weight and index; the router's probabilities
+    if experts is not None:  # in the stream's dtype (autocast does not cast the grouped matmul;
+        # compiled: act(gate) recomputed), + each copy's input and output, its weight and index;
+        mlp_bytes = (3 if compiled else 4) * r * inter + top * (2 * r * d + 4 + 8) + 4 * E  # the
+        # router's probabilities
     window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(cfg, "sliding_window", None)
     masked = 0
     if window and seq_len > window:  # SDPA with a mask, not its causal flag: k and v repeated to
