@@ -14,7 +14,8 @@ the search's gate output), and the middle layers' mean over the micro-batch's to
 came before it (importance, the cut, a resume).
 
     python experiments/step_memory.py                   # the table, tiny models of four families
-    python experiments/step_memory.py --arch llama --modes full --compile
+    python experiments/step_memory.py --arch llama --modes full --compile 1
+    python experiments/step_memory.py --table experiments/step_memory.jsonl   # the records' table
 """
 import argparse
 import contextlib
@@ -170,6 +171,19 @@ def autocast_here(on):
         prune.make_losses = make
 
 
+def table(path):
+    """The records of a --out run's stdout (one JSON object a line) as a markdown table: measured
+    and modelled bytes a token and layer, the search's and the fine-tune's."""
+    rows = ["| family | matmuls | compiled | checkpointing | search: measured / modelled | fine-tune: "
+            "measured / modelled |", "|---|---|---|---|---|---|"]
+    for r in map(json.loads, Path(path).read_text().splitlines()):
+        cells = [f"{r[p]:,.0f} / {r[p + '_modelled']:,.0f} ({r[p] / r[p + '_modelled']:.3f})"
+                 for p in ("search", "finetune")]
+        rows.append(f"| {r['arch']} | {r['dtype']} | {'yes' if r['compiled'] else 'no'} | {r['mode']} | "
+                    + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def main(argv=None):
     import runtime
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -179,7 +193,10 @@ def main(argv=None):
     p.add_argument("--dtype", default="fp32,bf16")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--out", default=None, help="work folder (default: a temporary one)")
+    p.add_argument("--table", metavar="JSONL", help="print the markdown table of these records, run nothing")
     a = p.parse_args(argv)
+    if a.table:
+        return print(table(a.table))
     work = Path(a.out or tempfile.mkdtemp())
     work.mkdir(parents=True, exist_ok=True)
     plays = sorted(Path(runtime.default_corpus()).rglob("*.md"))
