@@ -16,7 +16,6 @@ from test_prune import corpus, single_run  # noqa: F401
 
 AFTER_THE_CUT = r'''
 import gc, os, sys, weakref
-from types import SimpleNamespace
 import torch
 sys.path.insert(0, sys.argv[2])
 import prune, runtime
@@ -34,7 +33,7 @@ step()  # FSDP's lazy init: the root lists every unit
 removed = decoder_layers(model)[2]
 dead = weakref.ref(removed)
 del removed
-args = SimpleNamespace(keep=4, lr=1e-3, weight_decay=0.0)
+args = prune.parse_args(["--keep", "4", "--lr", "1e-3", "--weight-decay", "0"])  # every flag at its default
 search = LayerSearch(torch.tensor([9., 9., 0., 0., 9., 9.]), args, 6, 0, [], device)
 kept, opt = prune.prune_to_top_k(model, opt, search, args)
 gc.collect()
