@@ -11,20 +11,18 @@ scores each distinct set among
     the last N steps' top-k sets,   and S_0's top-k (KL one-shot's set, where the search began)
 
 by the top-K KL to the teacher on HELD-OUT text (the cache's own "kd" loss, mean over the held-out
-positions, in eval mode, the weights as they are at the cut), and keeps the lowest: the final set
-on a tie. The held-out text is the search cache's held-out split: with --search-data the end of
-that text (of each source of a mixture, in its proportions: scale/data.py), which the search
-never reads; without it the held-out end of --data, the text prune.py validates on.
+positions, in eval mode, the weights as they are at the cut: surgery.held_out_losses, as prune.py
+validates), and keeps the lowest: the final set on a tie. The held-out text is the end of
+--search-data (of each source of a mixture, in its proportions: scale/data.py), which the search
+never reads; prune.check_args refuses a guard without --search-data, or with a file of the text the
+run validates on: the choice is never made on the split the run reports.
 
 So a search that found a set better than KL's on text it was not trained on keeps it, and one that
 drifted to its own text's taste falls back, at the cost of one forward of the held-out blocks per
 distinct candidate (a few: the set changes rarely in the last steps).
 """
-import torch
-
-import kd
-from runtime import E3Error, print0
-from surgery import LayerGates, keep_mask, top_k_layers
+from runtime import print0
+from surgery import LayerGates, held_out_losses, keep_mask, top_k_layers
 
 
 class CutGuard:
@@ -32,17 +30,11 @@ class CutGuard:
     only kept() at the cut."""
 
     def __init__(self, search, model, cache, losses, log):
-        """search: the wrapped one (its args.guard: N); model, losses: the training loop's; cache:
-        the search's (its held-out split is scored); log: the run's log(**event)."""
-        last = search.args.guard
-        if not search.in_loop or last < 1:
-            raise E3Error("--guard N (N >= 1) guards the cut of a search that runs in the training "
-                          "steps (--search gumbel or l0)")
-        if not cache or cache.len_split("val") == 0:
-            raise E3Error("--guard scores the held-out split of the search's cache, and it has none: "
-                          "build the cache with a --val-frac above 0")
+        """search: the wrapped one, in the loop (its args.guard: N >= 1); model, losses: the training
+        loop's; cache: --search-data's (its held-out split is scored); log: the run's log(**event).
+        prune.check_args has refused, before any work, every run it could not guard."""
         self.search, self.last, self.model, self.cache, self.losses, self.log = (
-            search, last, model, cache, losses, log)
+            search, search.args.guard, model, cache, losses, log)
         self.visited = [top_k_layers(search.S, search.args.keep, search.protected)]  # S_0's top-k
         self.choice, self.scores = None, {}
 
@@ -76,31 +68,22 @@ class CutGuard:
         return {**self.search.summary(), **({"guard": [[list(s), v] for s, v in self.scores.items()]}
                                             if self.scores else {})}
 
-    def state_dict(self):
-        return {**self.search.state_dict(), "guard_visited": self.visited}
+    def state_dict(self):  # the record too: a run resumed after the cut exports what it chose and why
+        return {**self.search.state_dict(), "guard_visited": self.visited, "guard_choice": self.choice,
+                "guard_scores": [[list(s), v] for s, v in self.scores.items()]}
 
     def load_state_dict(self, state):
         self.search.load_state_dict(state)
-        self.visited = state["guard_visited"]
+        self.visited, self.choice = state["guard_visited"], state.get("guard_choice")
+        self.scores = {tuple(s): v for s, v in state.get("guard_scores", [])}
 
 
-@torch.no_grad()
 def held_out_kl(model, cache, losses, kept, search):
     """The mean "kd" loss (top-K KL to the cached teacher) over the counted positions of the
     cache's held-out split, the model running only `kept` (the gates of eq. 1 at a hard mask)."""
-    n = cache.len_split("val")
-    gates, training = LayerGates(model), model.training
+    gates = LayerGates(model)
     gates.mask = keep_mask(kept, search.L, search.S.device)
-    model.eval()
-    total, count = 0.0, 0
     try:
-        for a in range(0, n, search.args.micro_batch):
-            batch = cache.get(range(a, min(a + search.args.micro_batch, n)), "val")
-            batch = {k: v.to(search.S.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            w = kd.counted(batch.get("loss_mask", torch.ones_like(batch["input_ids"])), "kd").sum()
-            total += float(losses(model, batch, ["kd"])[0]) * float(w)
-            count += float(w)
+        return held_out_losses(model, cache, losses, search.args.micro_batch, search.S.device, ("kd",))[0]
     finally:
         gates.remove()
-        model.train(training)
-    return total / max(count, 1)

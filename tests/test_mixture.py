@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runtime import E3Error
-from test_prune import run_here, tiny_args
+from test_prune import one_line_error, run_here, tiny_args
 
 WORDS = {"a": "apple banana cherry grape lemon mango", "b": "seven eight nine ten eleven twelve",
          "c": "red green blue yellow purple orange"}
@@ -117,3 +117,53 @@ def test_the_guard_keeps_the_held_out_best_of_the_sets_visited(make_tiny, source
     run_here(tiny_args(model_path, str(root / "b.txt"), part, *extra, "--resume"), tmp_path, monkeypatch)
     assert [e for e in map(json.loads, (part / "log.jsonl").read_text().splitlines())
             if e["event"] == "guard"] == [guard]
+
+
+def test_a_guarded_run_stopped_at_the_cut_and_resumed_exports_the_whole_runs_record(
+        make_tiny, sources, tmp_path, monkeypatch):
+    """The guard's record (each candidate's held-out KL, the choice) travels in the checkpoint with the
+    sets visited: a guarded run stopped at the cut (--until cut) and resumed exports the pruning.json
+    of the run made in one go, its guard scores included, the --out aside."""
+    model_path = make_tiny("llama", 6)
+    root, ids, tok = sources
+    extra = ["--search-data", f"{root}/a.txt:0.5,{root}/c.txt:0.5", "--guard", "4", "--score-lr", "3.0",
+             "--seed", "1", "--steps", "12"]
+    whole, halves, data = tmp_path / "whole", tmp_path / "halves", str(root / "b.txt")
+    run_here(tiny_args(model_path, data, whole, *extra), tmp_path, monkeypatch)
+    run_here(tiny_args(model_path, data, halves, *extra, "--until", "cut"), tmp_path, monkeypatch)
+    run_here(tiny_args(model_path, data, halves, *extra, "--resume"), tmp_path, monkeypatch)
+    one, two = (json.loads((out / "model" / "pruning.json").read_text()) for out in (whole, halves))
+    assert len(one["guard"]) >= 2  # candidates to choose among
+    assert {**two, "flags": {**two["flags"], "out": None}} == {**one, "flags": {**one["flags"], "out": None}}
+
+
+def test_a_guard_that_cannot_run_or_would_choose_on_the_reported_split_is_refused_before_any_work(
+        make_tiny, sources, tmp_path, capsys, monkeypatch):
+    """--guard chooses on the held-out end of --search-data. Without it, or with --data's own text
+    (however spelled, or as a source of a mixture, or the text of the --cache the run validates on),
+    it would choose on the split the run reports (val_final, evaluate.py). That, N < 1 and a search
+    that takes no training step are each one error line before any work: no run folder, no cache."""
+    import prune
+    from cache_teacher import build_cache
+    monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
+    model_path = make_tiny("llama", 6)
+    root, ids, tok = sources
+    data, out, mix = str(root / "b.txt"), tmp_path / "run", f"{root}/a.txt:0.5,{root}/c.txt:0.5"
+    for extra, words in (
+            (["--search", "none", "--guard", "4", "--search-data", mix], ["--guard", "takes none"]),
+            (["--search", "evo", "--guard", "4", "--search-data", mix], ["--guard", "takes none"]),
+            (["--search-frac", "0", "--guard", "4", "--search-data", mix], ["--guard", "takes none"]),
+            (["--guard", "0", "--search-data", mix], ["--guard", "at least 1"]),
+            (["--guard", "-2", "--search-data", mix], ["--guard", "at least 1"]),
+            (["--guard", "4"], ["--guard", "--search-data"]),  # it would score --data's held-out end
+            (["--guard", "4", "--search-data", f"{root}/../{root.name}/b.txt"], ["validation text"]),
+            (["--guard", "4", "--search-data", f"{root}/a.txt:0.5,{root}/b.txt:0.5"], ["validation text"]),
+            (["--guard", "4", "--search-data", str(root)], ["validation text"])):  # the folder of b.txt
+        one_line_error(tiny_args(model_path, data, out, *extra), capsys, *words)
+        assert not out.exists() and not (tmp_path / "teacher").exists(), extra
+    cache = build_cache(model_path, data, tmp_path / "cache", seq_len=32, max_tokens=8 * 4 * 32)
+    for given in (["--data", str(root / "a.txt")], []):  # the run validates on the cache's text, b.txt
+        argv = tiny_args(model_path, data, out, "--cache", cache, "--guard", "4", "--search-data", data)
+        argv[argv.index("--data"):argv.index("--data") + 2] = given
+        one_line_error(argv, capsys, "--guard", "validation text")
+        assert not out.exists() and not (tmp_path / "teacher").exists()

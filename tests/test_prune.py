@@ -736,6 +736,33 @@ def test_the_search_steps_read_their_own_batch_size(make_tiny, corpus, tmp_path,
                    capsys, "--search-batch-size 3 must be a multiple")
 
 
+def test_the_micro_batch_must_divide_only_the_batches_the_run_takes(make_tiny):
+    """--search-batch-size and --masks-per-step are a search step's: a run that takes none (--search
+    none, evo, --search-frac 0) is not held to them; --batch-size is a fine-tune step's: a run that is
+    all search (--search-frac 1) is not held to it. A run that takes the step is."""
+    import prune
+    from transformers import AutoConfig
+    from runtime import E3Error
+    model = make_tiny("llama", L)
+    config = AutoConfig.from_pretrained(model)
+
+    def problem(*flags):  # 8 steps of 4 sequences, search steps of 3, micro-batches of 2
+        args = prune.parse_args(["--model", model, "--keep", str(K), "--steps", "8", "--batch-size", "4",
+                                 "--search-batch-size", "3", "--micro-batch", "2", *flags])
+        prune.resolve_args(args, 1)
+        try:
+            prune.check_args(args, config, L, 1)
+        except E3Error as e:
+            return str(e)
+    for no_search in (["--search", "none"], ["--search", "evo"], ["--search-frac", "0"]):
+        assert problem(*no_search) is None, no_search
+        assert problem(*no_search, "--search-batch-size", "4", "--masks-per-step", "3") is None, no_search
+    assert "--search-batch-size 3 must be a multiple of ranks x --micro-batch (1 x 2)" in problem()
+    assert "--masks-per-step 3 must divide" in problem("--search-batch-size", "4", "--masks-per-step", "3")
+    assert problem("--batch-size", "3", "--search-batch-size", "4", "--search-frac", "1") is None
+    assert "--batch-size 3 must be a multiple" in problem("--batch-size", "3", "--search-batch-size", "4")
+
+
 def test_compile_and_selective_checkpointing_train_what_eager_trains(single_run, make_tiny, corpus, tmp_path):
     """prune.py --compile --activation-checkpointing selective (each layer torch.compiled, inductor,
     its matmuls' outputs kept for the backward) against the same run eager (single_run): the same

@@ -98,3 +98,50 @@ def test_partial_finetune_gradients_are_the_whole_models(make_tiny):
             torch.testing.assert_close(p.grad, fp[name].grad, rtol=1e-6, atol=0)
         else:
             assert p.grad is None and not p.requires_grad
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--train-last", "0"], ["--train-last", "at least 1"]),
+    (["--train-last", "-2"], ["--train-last", "at least 1"]),
+    (["--train-last", "2", "--lora-rank", "4"], ["--train-last", "--lora-rank"])])
+def test_train_last_misuse_is_refused_before_any_work(flags, words, make_tiny, corpus, tmp_path,  # noqa: F811
+                                                      capsys, monkeypatch):
+    """--train-last 0 would be a full fine-tune, a negative N the head alone, and with --lora-rank the
+    last layers' base weights would train beside frozen adapters (AdamW's 16 B a parameter where
+    the plan priced LoRA's 4): one error line, no run folder, no teacher cache."""
+    from test_prune import one_line_error
+    import prune
+    monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
+    out = tmp_path / "run"
+    one_line_error(tiny_args(make_tiny("llama", 6), corpus, out, "--init", "reverse", "--search", "none",
+                             *flags), capsys, *words)
+    assert not out.exists() and not (tmp_path / "teacher").exists()
+
+
+def test_train_last_freezes_at_the_cut_and_after_a_resume(make_tiny, corpus, tmp_path, monkeypatch):  # noqa: F811
+    """The search trains every weight; the cut freezes all but the head, the final norm and the last
+    N kept layers; a run stopped after the cut and resumed holds the same trainable set (the
+    optimizer's parameters counted at each step by a spy on prune.train_step)."""
+    import prune
+    model = make_tiny("llama", 6)
+    seen = {}
+    step = prune.train_step
+
+    def spy(m, opt, *a, **k):
+        seen.setdefault(str(k.get("t", a[3])) + ("-resumed" if resumed else ""), sorted(
+            n for n, p in m.named_parameters() if any(p is q for g in opt.param_groups for q in g["params"])))
+        return step(m, opt, *a, **k)
+    monkeypatch.setattr(prune, "train_step", spy)
+    resumed = False
+    flags = ["--search", "gumbel", "--train-last", "1"]
+    run_here(tiny_args(model, corpus, tmp_path / "whole", *flags), tmp_path, monkeypatch)
+    run_here(tiny_args(model, corpus, tmp_path / "part", *flags, "--until", "5"), tmp_path, monkeypatch)
+    resumed = True
+    run_here(tiny_args(model, corpus, tmp_path / "part", *flags, "--resume"), tmp_path, monkeypatch)
+    everything = sorted(n for n, _ in AutoModelForCausalLM.from_pretrained(model).named_parameters())
+    last = {"model.embed_tokens.weight", "model.norm.weight"}  # tied head, final norm, layer 3 of 0-3
+    for t in ("1", "4"):  # the search's 4 steps (T_M = 0.5 x 8)
+        assert seen[t] == everything
+    for t in ("5", "8", "6-resumed", "8-resumed"):
+        assert set(seen[t]) == last | {n for n in seen[t] if n.startswith("model.layers.3.")}
+        assert any(n.startswith("model.layers.3.") for n in seen[t])
