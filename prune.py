@@ -43,12 +43,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import kd
 from cache_teacher import (TEACHER_CACHE_DIR, TeacherCache, build_cache, corpus_blocks,
                            model_fingerprint, resolve_model, vocab_size)
-from runtime import (E3Error, HelpFormatter, barrier, default_corpus, init_distributed, load_model,
-                     mean_over_ranks, print0, run_main)
+from runtime import (E3Error, HelpFormatter, barrier, init_distributed, load_model, mean_over_ranks,
+                     print0, run_main)
 from sampler import gumbel_noise, gumbel_topk, k_schedule, score_lr_schedule, tau_schedule
 from surgery import (LayerGates, LayerSearch, check_removable, decoder_layers, export_pruned,
-                     held_out_losses, keep_mask, kl_importance, micro_batch_problem, protected_layers,
-                     remove_layers, sequences_read, serving_notes, to_device)
+                     keep_mask, kl_importance, micro_batch_problem, protected_layers, remove_layers,
+                     sequences_read, serving_notes)
 
 # -----------------------------------------------------------------------------
 # Settings: the paper's (Appendix E, Llama-2-7B's column) are every flag's default. "T/20" is a
@@ -111,8 +111,7 @@ def parse_args(argv=None):
                    help="linear: --score-lr down to --score-lr / T_M")
     g.add_argument("--search-loss", choices=sorted(kd.LOSSES), help="the search steps' (default: --loss)")
     g.add_argument("--search-data", help="the search's text (default: --data; SRC:W,...: a mixture)")
-    g.add_argument("--guard", type=int, help="the cut: of the last N sets and S_0's the best by KL "
-                   "on --search-data's held-out end")
+    g.add_argument("--guard", type=int, help="the cut: of the last N sets and S_0's the best by held-out KL")
     g.add_argument("--search-batch-size", type=int, help="sequences a search step (default: --batch-size)")
     g.add_argument("--evo-generations", type=int, help="evo: generations (default: r (L - r) / 1.5)")
     g.add_argument("--evo-offspring", type=int, default=PAPER["evo_offspring"], help="evo: children")
@@ -195,8 +194,8 @@ def build_student(args, device, world, kept=None):
     rank = torch.distributed.get_rank() if world > 1 else 0
     model, tok = load_model(args.model, "cpu", torch.float32, weights=rank == 0)
     model.config.use_cache = False  # no KV cache in a training forward
-    if kept is not None:
-        remove_layers(model, kept)
+    if kept is not None:  # the model the cut left
+        freeze_after_cut(remove_layers(model, kept), args)
     return parallelize_student(model, args, device, world), tok
 
 
@@ -273,10 +272,19 @@ def plain_losses(vocab, autocast=False):
     return losses
 
 
+@torch.no_grad()
 def validate(model, cache, losses, args):
-    """[KD to the cache's own targets, unweighted (sampled, hybrid: > 0 at the teacher itself),
-    next-token CE]: means over the val split's counted positions (surgery.held_out_losses)."""
-    return held_out_losses(model, cache, losses, args.micro_batch, args.device, ("kd", "sft"))
+    """KD to the cache's own targets, unweighted (sampled, hybrid: > 0 at the teacher itself), and
+    next-token CE: means over the val split's counted positions; eval mode, every rank each row."""
+    model.eval()
+    n, acc = cache.len_split("val"), torch.zeros(2, 2, dtype=torch.float64)  # [kd, ce] sums, counts
+    for a in range(0, n, args.micro_batch):
+        batch = to_device(cache.get(range(a, min(a + args.micro_batch, n)), "val"), args.device)
+        m = batch.get("loss_mask", torch.ones_like(batch["input_ids"]))  # packed text: all count
+        w = torch.stack([kd.counted(m, kind).sum() for kind in ("kd", "sft")]).double().cpu()
+        acc += torch.stack([w * torch.stack(losses(model, batch, ["kd", "sft"])).double().cpu(), w])
+    model.train()
+    return (acc[0] / acc[1].clamp(min=1)).tolist()
 
 
 def validation(model, cache, losses, args, run, measured, when, t):
@@ -290,6 +298,10 @@ def validation(model, cache, losses, args, run, measured, when, t):
     run.log(event="val", step=t, val_loss=kd_loss, val_ce=ce, when=when, targets=cache.targets)
     print0(f"val {when}: kd {kd_loss:.4f} ce {ce:.4f} (kd: comparable within one kind of target)")
     return {"kd": round(kd_loss, 4), "ce": round(ce, 4)}
+
+
+def to_device(batch, device):
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def training_batch(source, rows, args, teacher=None):
@@ -460,8 +472,7 @@ def prune_to_top_k(model, opt, search, args):
 
 
 def freeze_after_cut(model, args):
-    """--train-last N: from the cut on, only the LM head, the final norm and the last N kept layers
-    train (Lu et al.'s partial fine-tune, baselines/reverse.py); the search before it trains all."""
+    """--train-last N: from the cut on, the LM head, final norm and last N layers alone train."""
     if args.train_last:
         importlib.import_module("baselines.reverse").train_only_last(model, args.train_last)
 
@@ -543,17 +554,6 @@ def resolve_args(args, world, cache=None):
     args.activation_checkpointing = args.activation_checkpointing or "none"
 
 
-def shared_text(data, other):
-    """Whether two text flags' values read a file in common: their sources (a mixture's each, scale/
-    data.py; no value: the packaged corpus), resolved, the same or one a folder holding the other."""
-    def sources(text):
-        if ":" in str(text) and not Path(text).exists():
-            from scale.data import mixture_sources
-            return [Path(path).resolve() for path, _ in mixture_sources(text)]
-        return [Path(text or default_corpus()).resolve()]
-    return any(a == b or a in b.parents or b in a.parents for a in sources(data) for b in sources(other))
-
-
 def check_args(args, config, L, world, vocab=0):
     """Every flag checked against the model and the world before any work: one error line for the
     first that cannot run, a warning for each layout an engine would serve differently. Returns
@@ -571,30 +571,12 @@ def check_args(args, config, L, world, vocab=0):
                       f"{config.get_text_config().vocab_size} embedding rows: resize them first")
     if (args.logit_chunk or 0) < 0:
         raise E3Error(f"--logit-chunk must be 0 (the plain logits) or tokens; got {args.logit_chunk}")
-    if args.guard is not None and args.guard < 1:
-        raise E3Error(f"--guard N scores the last N sets the search visited, N at least 1; "
-                      f"got {args.guard}")
-    if args.guard and not args.search_steps:
-        raise E3Error(f"--guard guards the cut of a search that takes training steps (--search "
-                      f"gumbel or l0, --search-frac and --steps above 0); --search {args.search} "
-                      f"here takes none")
-    if args.guard:  # it chooses on the held-out end of the search's text, never on the text the run
-        # validates on (the --cache's, else --data's): its held-out end is what the run reports
-        validated = (json.loads((Path(args.cache) / "meta.json").read_text())["data"] if args.cache
-                     else args.data)
-        if not args.search_data or shared_text(args.search_data, validated):
-            raise E3Error("--guard chooses on the held-out end of --search-data, which must be text "
-                          "other than the run's validation text (--data, or the --cache's): the "
-                          "split the run reports")
+    for flag, wing in ("guard", "baselines.guard"), ("train_last", "baselines.reverse"):
+        if getattr(args, flag) is not None:  # the baseline's own flag, checked by its wing
+            importlib.import_module(wing).check_args(args)
     if args.kd_tail and args.targets != "topk" or args.kd_full and (world > 1 or args.logit_chunk):
         raise E3Error("--kd-tail needs a top-K cache (not sampled targets); --kd-full runs in one "
                       "process on the plain logits path (--logit-chunk 0): the teacher beside it")
-    if args.train_last is not None and args.train_last < 1:
-        raise E3Error(f"--train-last takes the number of last layers to train, at least 1 (0 would "
-                      f"train every weight: leave it out); got {args.train_last}")
-    if args.train_last and args.lora_rank:
-        raise E3Error("--train-last trains the last layers' own weights, --lora-rank freezes every "
-                      "base weight for adapters: use one of them")
     if args.plan:  # a plan is for any world: the rest is checked when the run starts
         return protected
     if problem := micro_batch_problem(args, world, args.micro_batch):
@@ -731,8 +713,6 @@ def main(argv=None):
         calibration_batches(args, tok, None)
     run.create()
     model, _ = build_student(args, args.device, world, kept=resumed and resumed["kept"])
-    if resumed and resumed["kept"] is not None:  # resumed after the cut: frozen as the cut left it
-        freeze_after_cut(model, args)
     teacher = importlib.import_module("scale.teacher").full_teacher(args, cache) if args.kd_full else None
     opt = make_optimizer(model, args)
     losses = make_losses(args, vocab, world)
@@ -754,7 +734,8 @@ def main(argv=None):
         print0(f"resumed from {resumed['path']} at step {step} ({'search' if kept is None else 'finetune'})")
     search = registered(SEARCHES, args.search)(S0, args, L, T, protected, args.device)
     if args.guard:  # the cut's set: the best by held-out KL of the last ones visited (baselines/)
-        search = importlib.import_module("baselines.guard").CutGuard(search, model, search_cache, losses, run.log)
+        guard = importlib.import_module("baselines.guard").CutGuard  # scored as the run validates
+        search = guard(search, model, search_cache, losses, run.log, validate)
     if resumed is not None:
         search.load_state_dict(resumed["search"])
     else:  # evo and random choose their layer set now, before any training

@@ -4,7 +4,6 @@ Model surgery on Hugging Face causal LMs: what E3-Pruner does to a model, each s
   decoder_layers(model)           the decoder-layer ModuleList: the paper's "layers"
   LayerGates(model)               eq. 1, the masked forward X_{l+1} = X_l + m_l (f(X_l) - X_l)
   kl_importance(model, batches)   Sec. 3.2, s_l = E_x KL(p_{-l} || p), with prefix reuse
-  held_out_losses(model, cache..) the losses' means over the cache's held-out split: validation
   LayerSearch                     the protocol every layer search implements; itself the top-k of S
   remove_layers(model, keep)      eq. 2, the cut: the ModuleList, layer_idx, the per-layer config
   check_removable(config, kept)   refuses, before any work, a layout the pruned config cannot express
@@ -26,7 +25,6 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-import kd
 from runtime import E3Error, load_model, mean_over_ranks
 
 # where the families keep their decoder layers: Llama-likes, multimodal wrappers (Gemma-3), OPT,
@@ -188,33 +186,6 @@ def _kl_sum(logits_q, logits_p, valid, vocab, chunk, logp=None):
 
 
 # -----------------------------------------------------------------------------
-# The held-out split: what validation and the guard of the cut measure
-
-def to_device(batch, device):
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-@torch.no_grad()
-def held_out_losses(model, cache, losses, micro_batch, device, kinds=("kd", "sft")):
-    """The mean of each kd.LOSSES kind over the counted positions of the cache's held-out ("val")
-    split: each micro-batch's mean times the positions it counts (kd.counted), summed in float64,
-    over the positions. In eval mode (no dropout); every rank scores every row. prune.py's
-    validation and the guard of the cut (baselines/guard.py) both measure with it."""
-    n, training = cache.len_split("val"), model.training
-    acc = torch.zeros(2, len(kinds), dtype=torch.float64)  # [sums, counts], a column a kind
-    model.eval()
-    try:
-        for a in range(0, n, micro_batch):
-            batch = to_device(cache.get(range(a, min(a + micro_batch, n)), "val"), device)
-            m = batch.get("loss_mask", torch.ones_like(batch["input_ids"]))  # packed text: all count
-            w = torch.stack([kd.counted(m, kind).sum() for kind in kinds]).double().cpu()
-            acc += torch.stack([w * torch.stack(losses(model, batch, list(kinds))).double().cpu(), w])
-    finally:
-        model.train(training)
-    return (acc[0] / acc[1].clamp(min=1)).tolist()
-
-
-# -----------------------------------------------------------------------------
 # Which layers stay: the protected ones, the top-k, the layer-search protocol, its steps' batches
 
 def protected_layers(L, n_first=1, n_last=1):
@@ -240,14 +211,12 @@ def sequences_read(step, args):
 
 def micro_batch_problem(args, ranks, micro_batch):
     """Why `micro_batch` sequences a forward cannot run every step on `ranks` ranks, or None: they
-    divide the batch on a rank of each kind of step the run takes (the T_M search steps', the T - T_M
-    fine-tune steps'), and a search step's split among --masks-per-step draws."""
-    search, finetune = args.search_steps > 0, args.steps > args.search_steps
-    for flag, batch, taken in (("--batch-size", args.batch_size, finetune),
-                               ("--search-batch-size", args.search_batch_size, search)):
+    divide the batch on a rank of each kind of step the run takes, and split among --masks-per-step."""
+    for flag, batch, taken in (("--batch-size", args.batch_size, args.steps > args.search_steps),
+                               ("--search-batch-size", args.search_batch_size, args.search_steps > 0)):
         if taken and batch % (ranks * micro_batch):
             return f"{flag} {batch} must be a multiple of ranks x --micro-batch ({ranks} x {micro_batch})"
-    if search and (args.search_batch_size // micro_batch) % args.masks_per_step:
+    if args.search_steps and (args.search_batch_size // micro_batch) % args.masks_per_step:
         return (f"--masks-per-step {args.masks_per_step} must divide a search step's "
                 f"{args.search_batch_size // micro_batch} micro-batches")
 

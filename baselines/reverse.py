@@ -34,7 +34,18 @@ Llama-3.1-8B, is untied: there the two choices are the same.
 """
 import torch
 
+from runtime import E3Error
 from surgery import decoder_layers
+
+
+def check_args(args):
+    """prune.check_args' part for --train-last N, before any work."""
+    if args.train_last < 1:
+        raise E3Error(f"--train-last takes the number of last layers to train, at least 1 (0 would "
+                      f"train every weight: leave it out); got {args.train_last}")
+    if args.lora_rank:
+        raise E3Error("--train-last trains the last layers' own weights, --lora-rank freezes every "
+                      "base weight for adapters: use one of them")
 
 
 def reverse_order(model, batches=None, vocab=None, generator=None):

@@ -15,6 +15,7 @@ came before it (importance, the cut, a resume).
 
     python experiments/step_memory.py                   # the table, tiny models of four families
     python experiments/step_memory.py --arch llama --modes full --compile 1
+    python experiments/step_memory.py --arch gpt_neox,qwen2_moe --compile 0   # any family of the tests
     python experiments/step_memory.py --table experiments/step_memory.jsonl   # the records' table
 """
 import argparse
@@ -123,11 +124,10 @@ def bytes_a_token(argv, out, seq_len, micro_batches=(1, 2)):
 def modelled(model, mode, r, c, compiled, search, seq_len):
     """scale.plan's bytes a token, the mean over the layers this script measures (all but the first
     and the last: Gemma-3's sixth, full attention, has no sliding window's mask), + the gate's."""
-    from scale.plan import layer_bytes, text_config
+    from scale.plan import activation_formula
     from surgery import decoder_layers
-    layers, cfg = decoder_layers(model)[1:-1], text_config(model)
-    kept = sum(layer_bytes(layer, cfg, mode, r, c, compiled, seq_len) for layer in layers) / len(layers)
-    return kept + (r * cfg.hidden_size if search else 0)
+    return activation_formula(model, mode, r, c, compiled, search, seq_len,
+                              which=range(1, len(decoder_layers(model)) - 1))
 
 
 def shape_of(folder):
@@ -142,16 +142,28 @@ ARCHS = ("llama", "qwen3", "gemma3_text", "qwen3_moe")
 MODES = ("none", "selective", "full")
 
 
+def family_config(arch, layers=6):
+    """A tiny config of `arch`: tests/conftest.py's tiny_config for ARCHS, else tests/
+    test_architectures.py's family of that name (every family the project lists), at 512 positions."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    if arch in ARCHS:
+        from conftest import tiny_config
+        return tiny_config(arch, layers)
+    from transformers import AutoConfig
+    from test_architectures import CONFIGS, VOCAB
+    model_type, settings = CONFIGS[arch]
+    return AutoConfig.for_model(model_type, vocab_size=VOCAB, max_position_embeddings=512, initializer_range=0.2,
+                                **{"n_layer" if arch == "gpt2" else "num_hidden_layers": layers}, **settings)
+
+
 def tiny_folder(arch, out):
-    """A 6-layer random model of `arch` (tests/conftest.py's tiny_config) with the demo's tokenizer."""
+    """A 6-layer random model of `arch` (family_config) with the demo's tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import tiny_config
     from demo import default_model
     path = Path(out) / f"model-{arch}"
     if not (path / "config.json").exists():
-        cfg = tiny_config(arch, 6)
+        cfg = family_config(arch, 6)
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
         AutoTokenizer.from_pretrained(default_model()).save_pretrained(path)

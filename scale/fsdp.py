@@ -40,6 +40,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import Cache
 
+from runtime import E3Error
 from scale.vocab_parallel import add_rows, plain_lookup, vocab_parallel
 from surgery import decoder_layers
 
@@ -127,15 +128,20 @@ def _checkpointed(forward, context, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, **context, **kwargs)
 
 
-def _save_matmuls():
-    """The contexts of one selective checkpoint: the outputs of the compute-bound ops (matmuls,
-    attention: functorch's compute-intensive list, and SDPA's CPU and cuDNN kernels) saved, every
-    other op's recomputed."""
+def saved_ops():
+    """The ops whose outputs a selective checkpoint keeps: the compute-bound ones (matmuls,
+    attention: functorch's compute-intensive list, and SDPA's CPU and cuDNN kernels)."""
     from torch._functorch.partitioners import get_default_op_list
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
     aten = torch.ops.aten
-    saved = {*get_default_op_list().compute_intensive_ops, aten.linear,
-             aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_cudnn_attention}
+    return {*get_default_op_list().compute_intensive_ops, aten.linear,
+            aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_cudnn_attention}
+
+
+def _save_matmuls():
+    """The contexts of one selective checkpoint: saved_ops()'s outputs saved, every other op's
+    recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    saved = saved_ops()
 
     def policy(ctx, func, *args, **kwargs):
         return (CheckpointPolicy.MUST_SAVE if func.overloadpacket in saved
@@ -356,8 +362,12 @@ def meta_model(args):
     """For prune.py --plan: the model (LoRA added as asked) on the meta device, shapes only (no
     weights, no tokenizer), and the bytes a token of the teacher cache it would build."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:  # transformers' own
+        raise E3Error(f"transformers cannot build the model of {args.model}'s config.json "
+                      f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
     if args.lora_rank:
         from scale.lora import add_lora
         add_lora(model, args.lora_rank, args.lora_alpha, args.seed)

@@ -86,6 +86,14 @@ adds and norms stay fp32, as mixed precision intends). The plan takes c = 2 (a G
 run, fp32, is c = 4. (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
 Models", arXiv 2205.05198, count the same way for GPT's layers: 34 d + 5 h s bytes in bf16.)
 
+The layers this formula models term by term are Llama's, Qwen3's, Gemma-3's and routed experts
+alone (modelled()). Every other layer (LayerNorms, GPT-2's, GPT-NeoX's and OPT's attention, MLA, a
+shared expert, extra norms, attention sinks ...) is counted, not modelled: what autograd saves on
+small instances of the same family, extrapolated to its widths and sequence length (scale/saved.py;
+on the four modelled families it gives the formula's figure to the byte, the MoE's within 0.1%),
+the eager figure standing for the compiled one too; a family it cannot count (a Mamba mixer, a
+gated delta-net: their GPU kernels keep other tensors than a CPU's fallback) is one error line.
+
 Fitted to no measurement; checked against two: experiments/step_memory.py measures what prune.py's
 own training step keeps on a CPU (the host bytes each layer leaves alive, search and fine-tune,
 after KL importance) for Llama, Qwen3, Gemma-3 and a MoE, each mode, eager and compiled, fp32 and
@@ -109,6 +117,7 @@ import torch
 
 from runtime import print0
 from scale.fsdp import meta_model
+from scale.saved import NotCounted, counted_bytes
 from surgery import decoder_layers, micro_batch_problem, sequences_read
 
 GB, MiB = 1e9, 2**20
@@ -189,14 +198,50 @@ def peak_flops(device_name):
 # Memory
 
 def activation_formula(model, mode, residual_bytes=2, compute_bytes=2, compiled=False, search=False,
-                       seq_len=0):
-    """Bytes a token and decoder layer keeps for the backward (the module's docstring), the mean of
-    layer_bytes over the model's layers (on the meta device: read off its modules) at seq_len;
-    search: with the gate of eq. 1, which keeps its layer's output for d out / d m."""
-    layers, cfg = decoder_layers(model), text_config(model)
-    total = sum(layer_bytes(layer, cfg, mode, residual_bytes, compute_bytes, compiled, seq_len)
-                for layer in layers)
-    return total / len(layers) + (residual_bytes * cfg.hidden_size if search else 0)
+                       seq_len=0, which=None):
+    """Bytes a token and decoder layer keeps for the backward (the module's docstring), the mean over
+    the model's layers (`which`: these indices alone) at seq_len: layer_bytes, read off the modules
+    on the meta device, where every layer is of the structure it models (modelled()); else counted
+    from what autograd saves on small instances of the model (scale/saved.py: exact in eager, a
+    bound compiled). search: with the gate of eq. 1, which keeps its layer's output (d out / d m)."""
+    layers, cfg, r = decoder_layers(model), text_config(model), residual_bytes
+    which = range(len(layers)) if which is None else which
+    if mode == "full" or all(modelled(layers[i]) for i in which):
+        each = [layer_bytes(layers[i], cfg, mode, r, compute_bytes, compiled, seq_len) for i in which]
+    else:
+        saved, selective = counted_bytes(model.config, r, compute_bytes, seq_len)
+        each = [(saved if mode == "none" else selective)[i] for i in which]
+    return sum(each) / len(each) + (r * cfg.hidden_size if search else 0)
+
+
+RMS_LAYER = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+GEMMA_NORMS = {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
+
+
+def modelled(layer):
+    """Whether layer_bytes models this decoder layer term by term: Llama's (q, k, v, o; per-head q/k
+    norms; RMSNorms, Gemma's four), with a gated MLP or routed experts alone (a router and fused
+    experts, no bias, no shared expert)."""
+    children = dict(layer.named_children())
+    if set(children) not in (RMS_LAYER, RMS_LAYER | GEMMA_NORMS):
+        return False
+    attn, mlp = children["self_attn"], children["mlp"]
+    parts = dict(attn.named_children())
+    head_dim = getattr(attn, "head_dim", None)
+    if (not {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(parts) <= {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                                     "q_norm", "k_norm", "rotary_emb"}
+            or any(True for _ in attn.named_parameters(recurse=False))
+            or any(parts[n].weight.numel() != head_dim for n in ("q_norm", "k_norm") if n in parts)):
+        return False
+    norms = [m for n, m in children.items() if n.endswith("layernorm")]
+    if not all("RMSNorm" in type(m).__name__ for m in norms):
+        return False
+    names = set(dict(mlp.named_children()))
+    if names == {"gate_proj", "up_proj", "down_proj", "act_fn"}:
+        return True
+    experts = getattr(mlp, "experts", None)
+    return (names in ({"gate", "experts"}, {"router", "experts"}) and experts is not None
+            and {n for n, _ in experts.named_parameters()} == {"gate_up_proj", "down_proj"})
 
 
 def layer_bytes(layer, cfg, mode, r, c, compiled=False, seq_len=0):
@@ -213,8 +258,8 @@ def layer_bytes(layer, cfg, mode, r, c, compiled=False, seq_len=0):
     gemma = hasattr(layer, "pre_feedforward_layernorm")  # sandwich norms, Gemma's (1 + w) RMSNorm
     experts = getattr(mlp, "experts", None)
     if experts is not None:  # routed experts: E router logits; each of a token's top-k copies
-        E, top = cfg.num_experts, cfg.num_experts_per_tok
-        inter = top * getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+        E, top = experts.down_proj.shape[0], cfg.num_experts_per_tok  # down_proj: [E, d, I]
+        inter = top * experts.down_proj.shape[-1]
     else:
         inter = cfg.intermediate_size
     sdpa = c * q + 4 * h  # SDPA's output, and its fp32 log-sum-exp
@@ -584,7 +629,11 @@ def pick_for_card(args, world):
     if None not in (args.micro_batch, args.activation_checkpointing, args.logit_chunk):
         return
     here = card_memory()
-    micro, mode, chunk, _ = choose(args, meta_model(args)[0], world, here[1]) if here else [None] * 4
+    try:
+        micro, mode, chunk, _ = choose(args, meta_model(args)[0], world, here[1]) if here else [None] * 4
+    except NotCounted as e:  # a family whose activations the plan cannot count: the least memory
+        print0(f"warning: {e}; trying one sequence with full checkpointing")
+        micro, mode, chunk = 1, "full", None
     if here and micro is None:
         print0("warning: the plan finds no micro-batch that fits this GPU (prune.py --plan): "
                "trying one sequence with full checkpointing")

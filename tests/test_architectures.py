@@ -474,3 +474,68 @@ def test_the_cut_in_memory_generates_with_its_kv_cache(arch):
     with_cache = pruned.generate(x[:1, :6], use_cache=True, **gen)
     assert with_cache.shape[1] == 14
     assert torch.equal(with_cache, pruned.generate(x[:1, :6], use_cache=False, **gen))
+
+
+# Every function that reads a decoder layer's modules or a config's structure, met by every family
+# above the day it is written: a new such function joins this list.
+def _plan(arch, model, tmp_path, capsys):
+    """prune.py --plan 1 and 8 from the family's config.json alone: the last line one JSON object
+    whose activation figures are positive."""
+    import prune
+    model.config.save_pretrained(tmp_path)
+    for ranks in ("1", "8"):
+        prune.main(["--model", str(tmp_path), "--keep", "3", "--plan", ranks, "--seq-len", "64",
+                    "--batch-size", "16"])
+        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert summary["ranks"] == int(ranks) and min(summary["activation_bytes"].values()) > 0
+
+
+def _importance_and_gates(arch, model, tmp_path, capsys):
+    """KL importance: L finite non-negative scores; the search's gates at a hard mask: the model with
+    the other layers bypassed."""
+    x = ids(3, (1, 8))
+    scores = kl_importance(model, [(x, None)], VOCAB)
+    assert scores.shape == (L,) and torch.isfinite(scores).all() and (scores >= -1e-9).all()
+    gates = LayerGates(model)
+    gates.mask = torch.tensor([1.0 if i in KEEP else 0.0 for i in range(L)])
+    with torch.no_grad():
+        got = model(x).logits
+    gates.remove()
+    with torch.no_grad():
+        ref = bypass(copy.deepcopy(model), [i for i in range(L) if i not in KEEP])(x).logits
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def _cut(arch, model, tmp_path, capsys):
+    check_removable(model.config)
+    check_removable(model.config, KEEP)
+    assert len(decoder_layers(remove_layers(copy.deepcopy(model), KEEP))) == len(KEEP)
+
+
+def _fused_head(arch, model, tmp_path, capsys):
+    with torch.no_grad():
+        check_logits_path(model, *last_layer_output(model, ids()))
+
+
+def _lora(arch, model, tmp_path, capsys):
+    """LoRA's targets: nn.Linear maps of every layer (none on GPT-2, whose maps are Conv1D)."""
+    from scale.lora import add_lora
+    targets = [lora_targets(layer) for layer in decoder_layers(model)]
+    assert all(targets) or arch == "gpt2"
+    add_lora(copy.deepcopy(model), 2, 4.0, 0)
+
+
+def _gguf_keys(arch, model, tmp_path, capsys):
+    from architectures.gguf import gguf_keys, text_config
+    model.config.save_pretrained(tmp_path)
+    assert isinstance(gguf_keys(model.config.model_type, text_config(tmp_path)), dict)
+
+
+READERS = {"plan": _plan, "importance and gates": _importance_and_gates, "cut": _cut,
+           "fused head": _fused_head, "lora": _lora, "gguf keys": _gguf_keys}
+
+
+@pytest.mark.parametrize("reader", list(READERS))
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_every_structure_reader_serves_every_family(arch, reader, tmp_path, capsys):
+    READERS[reader](arch, tiny(arch), tmp_path, capsys)

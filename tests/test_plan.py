@@ -411,3 +411,52 @@ def test_checkpointing_is_tried_in_the_order_of_its_measured_speed(tmp_path):
              for rates in ((0.29, 0.33), (0.38, 0.33))]
     assert [p["activation_checkpointing"] for p in picks] == ["full", "selective"]
     assert picks[0]["mfu"] == 0.33 and picks[1]["mfu"] == 0.38
+
+
+def test_the_shared_expert_is_counted(tmp_path):
+    """Qwen2-MoE's shared expert runs on every token beside the routed ones: a gated MLP keeps its
+    gate, act(gate), up and their product, 4 c I_s bytes a token (c = 2, bf16) at least, so four
+    times its width keeps at least 4 x 2 x 3 I_s more a token and layer."""
+    from transformers import AutoConfig
+    base = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                intermediate_size=512, moe_intermediate_size=128, num_experts=8,
+                num_experts_per_tok=2, vocab_size=1000)
+    act = {}
+    for shared in (128, 512):
+        folder = tmp_path / str(shared)
+        AutoConfig.for_model("qwen2_moe", shared_expert_intermediate_size=shared, **base).save_pretrained(folder)
+        args = prune.parse_args(["--model", str(folder), "--keep", "1", "--plan", "8", "--seq-len", "256",
+                                 "--protect-first", "0"])
+        act[shared] = P.activation_bytes(meta_model(args)[0], "none", True, seq_len=256)
+    assert act[512] - act[128] >= 4 * 2 * (512 - 128)
+
+
+# transformers' default config of every family the project lists (tests/test_architectures.py's,
+# docs/architectures.md's): --plan 1 and 8 end on the plan's JSON line; those whose default config
+# transformers itself cannot build or run, and the families whose layers a CPU instance cannot stand
+# for (Mamba, gated delta-net: their GPU kernels), on one error line
+PLANNED = ["llama", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4_text", "olmoe",
+           "granitemoe", "granite", "cohere", "hyperclovax", "gemma3_text", "gpt2", "gpt_neox", "opt",
+           "gemma3", "qwen2", "qwen3", "mistral", "smollm3", "glm4_moe", "glm4_moe_lite", "afmoe",
+           "ernie4_5_moe", "exaone4"]
+REFUSED = {"deepseek_v2": "fails", "lfm2_moe": "cannot build", "dots1": "cannot build",
+           "falcon_h1": "could not be counted", "qwen3_next": "could not be counted"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", PLANNED + list(REFUSED))
+def test_the_plan_of_every_familys_default_config(family, tmp_path, capsys):
+    import json
+
+    from transformers import AutoConfig
+
+    from test_prune import one_line_error
+    AutoConfig.for_model(family).save_pretrained(tmp_path)
+    for ranks in ("1", "8"):
+        argv = ["--model", str(tmp_path), "--keep", "2", "--plan", ranks]
+        if family in REFUSED:
+            one_line_error(argv, capsys, REFUSED[family])
+            continue
+        prune.main(argv)
+        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert summary["ranks"] == int(ranks) and min(summary["activation_bytes"].values()) > 0

@@ -93,3 +93,27 @@ def test_the_fused_heads_chunk_and_lora_act_in_the_training_step(make_tiny, corp
     for state in states:
         assert {n for n, (_, in_adam) in state.items() if in_adam} == {
             n for n in state if ".parametrizations.weight.0." in n}  # the adapters' A and B
+
+
+# Every family the tests list, without checkpointing (the most terms), in fp32 and under bf16
+# autocast: the plan's figure is layer_bytes' where it models the layer, else what autograd saves
+# on small instances (scale/saved.py), within 10% of what the step keeps either way
+FAMILIES = ["mixtral", "qwen2_moe", "deepseek_v3", "deepseek_v2", "gpt_oss", "llama4_text", "olmoe",
+            "granitemoe", "granite", "cohere", "hyperclovax", "gpt2", "gpt_neox", "opt"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_every_familys_activations_within_10_percent(corpus, tmp_path, monkeypatch, arch, dtype):
+    import prune
+    from experiments.step_memory import autocast_here, tiny_folder
+    monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
+    model = tiny_folder(arch, tmp_path)
+    with autocast_here(dtype == "bf16"):
+        got = bytes_a_token(run_args(model, corpus, "--activation-checkpointing", "none", "--no-compile"),
+                            tmp_path, SEQ, (1, 4))
+    shape, c = shape_of(model), 2 if dtype == "bf16" else 4
+    for phase in ("search", "finetune"):
+        want = modelled(shape, "none", 4, c, False, phase == "search", SEQ)
+        assert got[phase] == pytest.approx(want, rel=0.1), phase
