@@ -531,8 +531,22 @@ def _gguf_keys(arch, model, tmp_path, capsys):
     assert isinstance(gguf_keys(model.config.model_type, text_config(tmp_path)), dict)
 
 
+def _experts(arch, model, tmp_path, capsys):
+    """Expert importance (experts/): the MoE layers are those holding fused expert weights, a REAP
+    score each (layer, expert); a family without routed experts refused with one line."""
+    from experts.importance import reap_importance
+    sparse = sorted({int(n.split(".")[2]) for n, _ in model.named_parameters() if ".experts." in n})
+    batch = [(ids(3, (1, 8)), None)]
+    if not sparse:
+        with pytest.raises(E3Error, match="routes no tokens to experts"):
+            reap_importance(model, batch)
+        return
+    scores, layers = reap_importance(model, batch)
+    assert layers == sparse and scores.shape == (len(sparse), 4) and torch.isfinite(scores).all()
+
+
 READERS = {"plan": _plan, "importance and gates": _importance_and_gates, "cut": _cut,
-           "fused head": _fused_head, "lora": _lora, "gguf keys": _gguf_keys}
+           "fused head": _fused_head, "lora": _lora, "gguf keys": _gguf_keys, "experts": _experts}
 
 
 @pytest.mark.parametrize("reader", list(READERS))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("prune", "cache_teacher", "evaluate")  # what a user runs and a fork copies
-WINGS = ("scale", "architectures", "baselines")
+WINGS = ("scale", "architectures", "baselines", "experts")
 
 
 def package_files():

@@ -1,0 +1,154 @@
+"""
+Expert importance: a score per (MoE layer, expert), larger = more important, from one pass over the
+calibration set (KL: one pass and E partial forwards per MoE layer). The registry, beside the
+layers' (prune.IMPORTANCE), one signature for all:
+
+  EXPERT_IMPORTANCE[name](model, batches, vocab, generator=None) -> (scores, layers)
+
+scores a float64 tensor [the MoE layers' count, E], layers the decoder-layer index of each row;
+batches (input_ids, attention_mask or None), as surgery.kl_importance reads them: pad positions never
+count. In eval mode: a router's jitter noise (Mixtral's, when training) never moves a score.
+
+  reap        REAP (Lasby et al., arXiv 2510.13999, eq. 9): S_j = mean over the tokens routed to j
+              of g_j(x) ||f_j(x)||_2, g_j the gate the family applies to expert j (the router's
+              top-k gates as the family computes them: renormalised where it renormalises,
+              DeepSeek's scaled by routed_scaling_factor), f_j(x) the expert's output. An expert
+              no token reached scores 0: each expert is scored by what it adds where it is used,
+              not by how often. Llama-4 scales an expert's input by its gate (it adds f_j(g_j x));
+              S_j still reads f_j on the token's own x, as REAP's code does for that family.
+  frequency   the share of the valid tokens whose top-k holds j (a row sums to k)
+  kl          the paper's Sec. 3.2 for an expert: s_{l,j} = E_x KL(p_{-(l,j)} || p), p the model's
+              next-token distribution and p_{-(l,j)} that of the model whose layer-l router can
+              never choose j (routing.expert_unroutable: its top-k among the other E - 1). Exact:
+              one dense forward records every layer's output (surgery.LayerRecorder), then each
+              masked model starts at its layer (the layers before it return what was recorded:
+              nothing before layer l reads its router), E partial forwards per MoE layer, about
+              E sum_l (L - l) layer calls a batch over the MoE layers l, against E M L without the
+              reuse; the KL in fp32 over the tokenizer's ids, summed in float64 (surgery._kl_sum,
+              the layers' own).
+
+score_experts(name, model, batches, vocab, log) runs one, writes it to the run's log as the layers'
+importance is written (event "expert_importance": the method, the MoE layers, the scores a row a
+layer) and prints a line a layer.
+"""
+from contextlib import contextmanager
+
+import torch
+
+from experts.routing import RoutingReader, expert_unroutable, experts_per_layer, moe_layers
+from runtime import E3Error, print0
+from surgery import LayerRecorder, _kl_sum, decoder_layers
+
+
+def _batches(model, batches):
+    """(ids, attention mask, valid [B S] bool) on the model's device, one a batch."""
+    dev = next(model.parameters()).device
+    for ids, attn in batches:
+        ids, attn = ids.to(dev), None if attn is None else attn.to(dev)
+        yield ids, attn, (torch.ones_like(ids) if attn is None else attn).bool().flatten()
+
+
+@torch.no_grad()
+def routing_counts(model, batches, outputs=True):
+    """One dense pass: (routed [M, E], weighted [M, E], tokens, layers): per MoE layer and expert,
+    the valid tokens routed to it, and (outputs) the sum over them of g_j(x) ||f_j(x)||_2, float64;
+    tokens: the valid tokens."""
+    moes = moe_layers(model)
+    E, training = experts_per_layer(moes), model.training
+    routed = torch.zeros(len(moes), E, dtype=torch.float64)
+    weighted = torch.zeros_like(routed)
+    now = {}  # the batch in flight: its valid positions
+
+    def on_call(m, chosen, gates, norms):
+        valid = now["valid"]
+        if chosen.shape[0] != valid.numel():
+            raise E3Error(f"layer {moes[m].index}: the experts saw {chosen.shape[0]} tokens in a batch "
+                          f"of {valid.numel()}; experts/importance.py cannot tell the pad positions")
+        routed[m] += chosen[valid].sum(0).double().cpu()
+        if norms is not None:
+            weighted[m] += (gates * norms)[valid].sum(0).cpu()
+    tokens = 0
+    model.eval()
+    try:
+        with RoutingReader(moes, on_call, outputs):
+            for ids, attn, valid in _batches(model, batches):
+                now["valid"] = valid
+                model(input_ids=ids, attention_mask=attn, use_cache=False)
+                tokens += int(valid.sum())
+    finally:
+        model.train(training)
+    return routed, weighted, tokens, [m.index for m in moes]
+
+
+def reap_importance(model, batches, vocab=None, generator=None):
+    """REAP's saliency S_j = mean over the tokens routed to j of g_j(x) ||f_j(x)||_2 (0 where none
+    was): (scores [M, E] float64, the MoE layers)."""
+    routed, weighted, _, layers = routing_counts(model, batches, outputs=True)
+    return torch.where(routed > 0, weighted / routed.clamp_min(1), 0.0), layers
+
+
+def frequency_importance(model, batches, vocab=None, generator=None):
+    """The share of the valid tokens whose top-k holds expert j: (scores [M, E] float64, layers)."""
+    routed, _, tokens, layers = routing_counts(model, batches, outputs=False)
+    return routed / max(tokens, 1), layers
+
+
+@torch.no_grad()
+def kl_expert_importance(model, batches, vocab, generator=None, chunk=1024):
+    """s_{l,j} = mean over the valid tokens of KL(p_{-(l,j)} || p), exact: (scores [M, E] float64,
+    the MoE layers). Deterministic: `generator` (the registry's signature) is not used."""
+    layers, moes = decoder_layers(model), moe_layers(model)
+    E, training = experts_per_layer(moes), model.training
+    sums, count = torch.zeros(len(moes), E, dtype=torch.float64), 0
+    model.eval()
+    try:
+        for ids, attn, valid in _batches(model, batches):
+            with LayerRecorder(layers) as rec:
+                logits_p = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+            logp = None  # one chunk holds every token: log p made once, not once an expert
+            if valid.numel() <= chunk:
+                logp = torch.log_softmax(logits_p.flatten(0, -2)[:, :vocab].float(), dim=-1)
+            for m, moe in enumerate(moes):
+                with prefix_reused(layers, rec, moe.index):
+                    for j in range(E):
+                        with expert_unroutable(moe, j):
+                            logits_q = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+                        sums[m, j] += _kl_sum(logits_q, logits_p, valid, vocab, chunk, logp)
+            count += int(valid.sum())
+    finally:
+        model.train(training)
+    return sums / max(count, 1), [m.index for m in moes]
+
+
+@contextmanager
+def prefix_reused(layers, rec, start):
+    """Inside the block the layers before `start` return what `rec` recorded: nothing before them
+    reads what changes at `start`, so a forward computes layers start, start + 1, ... only (the
+    embedding, the masks, the final norm and the head still run: the logits are the model's own).
+    surgery.layer_bypassed's prefix, without its bypass."""
+    found = [vars(layers[i]).get("forward") for i in range(start)]  # checkpointing's wrapper
+    for i in range(start):
+        layers[i].forward = lambda *a, _out=rec.outputs[i], **k: _out
+    try:
+        yield
+    finally:  # each layer's forward as found: its own (a wrapper's), else the class's again
+        for layer, forward in zip(layers, found):
+            vars(layer).update(forward=forward) if forward else vars(layer).pop("forward")
+
+
+EXPERT_IMPORTANCE = {"reap": reap_importance, "frequency": frequency_importance,
+                     "kl": kl_expert_importance}
+
+
+def score_experts(method, model, batches, vocab, log=None):
+    """EXPERT_IMPORTANCE[method] on the calibration batches, written to the run's log (`log`, e.g.
+    prune.RunFolder.log) as the layers' importance is, and printed a line a MoE layer:
+    (scores [M, E], layers)."""
+    if method not in EXPERT_IMPORTANCE:
+        raise E3Error(f"no expert importance '{method}'; one of {', '.join(sorted(EXPERT_IMPORTANCE))}")
+    scores, layers = EXPERT_IMPORTANCE[method](model, batches, vocab)
+    if log is not None:
+        log(event="expert_importance", method=method, layers=layers, scores=scores.tolist(), step=0)
+    for l, row in zip(layers, scores.tolist()):
+        print0(f"expert importance ({method}), layer {l}: " + " ".join(f"{s:.3g}" for s in row))
+    return scores, layers

@@ -1,0 +1,216 @@
+"""
+Routed experts found by their structure, made unroutable one at a time, and read as they are routed.
+
+  moe_layers(model)            every decoder layer with routed experts: MoE(index, block, router,
+                               experts, E); found by structure, never by a family's name
+  expert_unroutable(moe, j)    inside the block, the router of that layer never chooses expert j
+  RoutingReader(moes, on_call) inside the block, each MoE call's choice, gates and expert outputs
+
+What a routed layer is, in every family transformers 5 builds: a block (the layer's MLP) holding an
+experts module whose weights are fused 3-D tensors [E, ., .] (gate_up_proj, down_proj; GPT-OSS's and
+Llama-4's transposed, GPT-OSS's with [E, .] biases) and, beside it, a router named `gate` or `router`
+whose weight has E rows. A shared expert (Qwen2-MoE, DeepSeek, Llama-4) is an MLP of 2-D weights: it
+sees every token, is never routed, and is never listed.
+
+Unroutable. Every family's router starts from E logits z = W_r x (+ b: GPT-OSS), one F.linear, and
+then chooses: softmax then top-k (Mixtral renormalises the k gates; Qwen2/3-MoE and OLMoE with
+norm_topk_prob; DeepSeek-V2 scales them by routed_scaling_factor), top-k then softmax (GPT-OSS,
+GraniteMoE), sigmoid + a score correction, group-limited top-k, renormalise, scale (DeepSeek-V3),
+sigmoid of the top-k (Llama-4). Setting z_j = -inf before any of them gives softmax(z)_j = 0 and
+sigmoid(z_j) = 0 and leaves the others' softmax that over the E - 1 remaining logits: the top-k is
+taken among the others and renormalised exactly as the family would with expert j deleted. A
+per-expert score correction added to the choice (DeepSeek-V3's e_score_correction_bias, a buffer of
+E values) would still let j win a slot: it is set to -inf at j too. (With DeepSeek-V3's groups,
+n_group > 1, the group-limited top-k then runs on j's -inf: the model with j deleted has no such
+config, its groups would be uneven.) The logits are reached with a torch function mode
+(torch.overrides.TorchFunctionMode) active only while the router runs: the F.linear of output width
+E is the router's logits, masked as it returns; the family's own code does the rest.
+tests/test_experts.py checks the masked model against the model built by hand with expert j deleted
+(E - 1 in the config, its router row and weights gone), for every MoE family the project tests.
+
+Reading the routing. The gates g_j(x) a family applies are what its experts module is called with,
+in one of two conventions: experts(x [T, H], indices [T, k], weights [T, k]) (every family with
+fused experts but Llama-4: y = sum_s weights[t, s] f_{indices[t, s]}(x_t)), or experts(u [E T, H])
+with u_{j,t} = g_j(x_t) x_t, every token stacked once per expert, the gate scaling the input
+(Llama-4; g = 0 off the top-k, so f_j(0) = 0 adds nothing). The first hands over the choice and the
+gates; in the second g_j(x_t) = <u_{j,t}, x_t> / <x_t, x_t> (x_t the router's input), exact to the
+input's rounding, and the chosen experts are those with g != 0. The expert outputs f_j(x_t) are the
+family's own code on the chosen pairs: experts(x repeated k times, the chosen index, weight 1).
+"""
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+from runtime import E3Error
+from surgery import decoder_layers
+
+ROUTER_NAMES = ("gate", "router")  # the router beside the experts, in every family transformers builds
+
+
+@dataclass
+class MoE:
+    index: int          # the decoder layer's index
+    block: nn.Module    # the layer's MLP: router, experts (and a shared expert)
+    router: nn.Module
+    experts: nn.Module  # the fused 3-D weights [E, ., .]
+    E: int
+
+
+def moe_layers(model):
+    """[MoE] of the decoder layers that route tokens to experts, in layer order. A module holding 3-D
+    weights with a common leading size E is a layer's experts when a router with E rows sits beside
+    it (a Mamba mixer's 3-D conv weight has none and is not an expert)."""
+    found = []
+    for i, layer in enumerate(decoder_layers(model)):
+        for name, module in layer.named_modules():
+            parent, _, leaf = name.rpartition(".")
+            if leaf == "experts" and isinstance(module, nn.ModuleList):
+                raise E3Error(f"layer {i}: the experts are a list of modules, not fused 3-D weights; "
+                              f"experts/routing.py serves the fused layout of transformers 5")
+            stacked = [p for p in module.parameters(recurse=False) if p.dim() == 3]
+            if not stacked:
+                continue
+            E, block = stacked[0].shape[0], layer.get_submodule(parent)
+            router = next((m for n, m in block.named_children() if n in ROUTER_NAMES), None)
+            weight = getattr(router, "weight", None)
+            if (torch.is_tensor(weight) and weight.dim() == 2 and weight.shape[0] == E
+                    and all(p.shape[0] == E for p in stacked)):
+                found.append(MoE(i, block, router, module, E))
+            elif leaf == "experts":
+                raise E3Error(f"layer {i}: '{name}' holds {E} experts but no router named "
+                              f"{' or '.join(ROUTER_NAMES)} with {E} rows sits beside it; "
+                              f"experts/routing.py finds a family's router by that name")
+    if not found:
+        raise E3Error(f"{type(model).__name__} routes no tokens to experts (no decoder layer holds fused "
+                      f"3-D expert weights beside a router): expert importance needs an MoE model")
+    if len({m.index for m in found}) < len(found):
+        raise E3Error("a decoder layer holds two sets of routed experts; experts/routing.py serves one")
+    return found
+
+
+def experts_per_layer(moes):
+    """E, the same in every MoE layer (a transformers config has one expert count)."""
+    counts = {m.E for m in moes}
+    if len(counts) > 1:
+        raise E3Error(f"the MoE layers hold different numbers of experts ({sorted(counts)}); "
+                      f"one score table [layers, E] needs one")
+    return counts.pop()
+
+
+# -----------------------------------------------------------------------------
+# One expert unroutable
+
+class _LogitMask(TorchFunctionMode):
+    """While active: the output of every F.linear of width E gets -inf in the columns `drop`."""
+
+    def __init__(self, E, drop):
+        super().__init__()
+        self.E, self.drop, self.hits = E, drop, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))  # inside its own handler the mode is off: no recursion
+        if func is F.linear and out.shape[-1] == self.E:
+            self.hits += 1
+            out = out.index_fill(-1, self.drop.to(out.device), float("-inf"))
+        return out
+
+
+@contextmanager
+def expert_unroutable(moe, experts):
+    """Inside the block, the router of `moe`'s layer never chooses `experts` (an index or several):
+    their logits are -inf before the family's choice, and so is a per-expert score correction (a
+    floating buffer of E values on the router, DeepSeek-V3's e_score_correction_bias). The top-k is
+    then taken among the others and renormalised as the family does. A router whose logits are not
+    one F.linear of width E is refused with one line when it runs."""
+    drop = torch.tensor(sorted({experts} if isinstance(experts, int) else set(experts)))
+    router, E = moe.router, moe.E
+    found, own = vars(router).get("forward"), router.forward  # a wrapper's, else the class's
+
+    def forward(*args, **kwargs):
+        with _LogitMask(E, drop) as mask:
+            out = own(*args, **kwargs)
+        if mask.hits != 1:
+            raise E3Error(f"layer {moe.index}: {type(router).__name__} made {mask.hits} outputs of width "
+                          f"{E} with F.linear, not one (its logits): experts/routing.py cannot make "
+                          f"expert {drop.tolist()} unroutable in this family")
+        return out
+    corrections = {name: b for name, b in router.named_buffers(recurse=False)
+                   if b.is_floating_point() and tuple(b.shape) == (E,)}
+    router.forward = forward
+    for name, b in corrections.items():  # a masked copy in its place; the buffer itself untouched
+        router._buffers[name] = b.index_fill(0, drop.to(b.device), float("-inf"))
+    try:
+        yield
+    finally:
+        router._buffers.update(corrections)
+        vars(router).update(forward=found) if found else vars(router).pop("forward")
+
+
+# -----------------------------------------------------------------------------
+# Reading the routing as the family computes it
+
+class RoutingReader:
+    """Inside `with RoutingReader(moes, on_call, outputs):` every call of an MoE layer's experts
+    calls on_call(m, chosen, gates, norms) first, m the layer's place in `moes` and, for its T
+    tokens (the batch flattened, batch-major): chosen [T, E] bool, the experts the router chose;
+    gates [T, E] float64, the gate the family applies to each (0 off the choice); norms [T, E]
+    float64, ||f_j(x_t)||_2 of each chosen expert's output (0 elsewhere; None if not `outputs`)."""
+
+    def __init__(self, moes, on_call, outputs=True):
+        self.moes, self.on_call, self.outputs, self.inputs = moes, on_call, outputs, {}
+
+    def __enter__(self):
+        def remember(m):  # the router's input: each token's x (the stacked convention needs it)
+            return lambda module, args, kwargs: self.inputs.__setitem__(
+                m, (args[0] if args else kwargs["hidden_states"]).detach())
+
+        def read(m):
+            return lambda module, args, kwargs: self._read(m, args, kwargs)
+        self.handles = [h for m, moe in enumerate(self.moes) for h in (
+            moe.router.register_forward_pre_hook(remember(m), with_kwargs=True),
+            moe.experts.register_forward_pre_hook(read(m), with_kwargs=True))]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+    def _read(self, m, args, kwargs):
+        moe, E = self.moes[m], self.moes[m].E
+        tensors = [t for t in (*args, *kwargs.values()) if torch.is_tensor(t)]
+        index = [t for t in tensors if not t.is_floating_point()]
+        norms = None
+        if len(tensors) == 3 and len(index) == 1:  # experts(x, indices [T, k], weights [T, k])
+            idx = index[0]
+            weights = next(t for t in tensors if t.is_floating_point() and t.shape == idx.shape)
+            x = next(t for t in tensors if t.is_floating_point() and t is not weights)
+            T, k = idx.shape
+            gates = torch.zeros(T, E, dtype=torch.float64, device=x.device)
+            gates.scatter_(1, idx, weights.double())
+            chosen = torch.zeros(T, E, dtype=torch.bool, device=x.device).scatter_(1, idx, True)
+            if self.outputs:  # f_j(x_t) for each chosen pair: the family's code, top-1, weight 1
+                # (.forward, not the call: the module's hooks, this one included, do not run again)
+                f = moe.experts.forward(x.repeat_interleave(k, 0), idx.reshape(-1, 1),
+                                        torch.ones(T * k, 1, dtype=weights.dtype, device=x.device))
+                norms = torch.zeros_like(gates).scatter_(1, idx, f.double().norm(dim=-1).view(T, k))
+        elif len(tensors) == 1:  # experts(u), u_{j,t} = g_j(x_t) x_t stacked per expert (Llama-4)
+            x = self.inputs[m].reshape(-1, tensors[0].shape[-1])
+            T = x.shape[0]
+            if tensors[0].shape[0] != E * T:
+                raise E3Error(f"layer {moe.index}: the experts got {tensors[0].shape[0]} rows for "
+                              f"{T} tokens and {E} experts; experts/routing.py cannot read the gates")
+            u, xd = tensors[0].reshape(E, T, -1).double(), x.double()
+            gates = ((u * xd).sum(-1) / (xd * xd).sum(-1).clamp_min(1e-300)).T  # [T, E]
+            chosen = gates != 0
+            if self.outputs:  # every token through every expert, as the family runs them
+                f = moe.experts.forward(x.repeat(E, 1)).reshape(E, T, -1)
+                norms = f.double().norm(dim=-1).T * chosen
+        else:
+            raise E3Error(f"layer {moe.index}: {type(moe.experts).__name__} is called with "
+                          f"{len(tensors)} tensors, neither (x, indices, weights) nor the stacked "
+                          f"inputs: experts/routing.py cannot read the routing")
+        self.on_call(m, chosen, gates, norms)
