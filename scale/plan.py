@@ -208,10 +208,16 @@ def activation_formula(model, mode, residual_bytes=2, compute_bytes=2, compiled=
     which = range(len(layers)) if which is None else which
     if mode == "full" or all(modelled(layers[i]) for i in which):
         each = [layer_bytes(layers[i], cfg, mode, r, compute_bytes, compiled, seq_len) for i in which]
-    else:
-        saved, selective = counted_bytes(model.config, r, compute_bytes, seq_len)
-        each = [(saved if mode == "none" else selective)[i] for i in which]
-    return sum(each) / len(each) + (r * cfg.hidden_size if search else 0)
+        # the gate's lerp keeps the layer's output, and its input where nothing else does: a bf16
+        # stream's eager norms keep their fp32 upcast, not the input (a checkpoint, a compiled
+        # layer, an fp32 stream's norms keep it)
+        twice = search and mode == "none" and r < 4 and not compiled
+        return sum(each) / len(each) + (r * cfg.hidden_size * (2 if twice else 1) if search else 0)
+    saved, searched, selective = counted_bytes(model.config, r, compute_bytes, seq_len)
+    if mode == "none" and search:  # the gates' lerp as counted: it may keep the input as well
+        return sum(searched[i] for i in which) / len(which)
+    each = [(saved if mode == "none" else selective)[i] for i in which]
+    return sum(each) / len(each) + (r * cfg.hidden_size if search else 0)  # the checkpoint keeps x
 
 
 RMS_LAYER = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}

@@ -45,7 +45,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from runtime import E3Error
-from surgery import _layer_signature, decoder_layers, pruned_config
+from surgery import LayerGates, _layer_signature, decoder_layers, pruned_config
 
 ROUTERS = ("gate", "router")  # a MoE layer's router (its weight, bias, score correction)
 VOCAB = 512  # the instances' vocabulary
@@ -115,10 +115,15 @@ class _SavedOps(TorchDispatchMode):
         return out
 
 
-def count(model, batch, seq, autocast):
-    """(saved bytes, selective bytes) a layer of `model` keeps for one forward of batch x seq tokens."""
+def count(model, batch, seq, autocast, search=False):
+    """(saved bytes, selective bytes) a layer of `model` keeps for one forward of batch x seq tokens;
+    search: through the gates of eq. 1 (surgery.LayerGates at a mask that takes gradients), whose
+    lerp keeps the layer's output and its input (which the layer itself may not keep)."""
     from scale.fsdp import saved_ops
     layers = decoder_layers(model)
+    gates = LayerGates(model) if search else None  # its hooks first: they run inside the layer's count
+    if gates:
+        gates.mask = torch.ones(len(layers), requires_grad=True)
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
     seen, where, held = set(), [], []
     saved, selective = [0] * len(layers), [0] * len(layers)
@@ -155,6 +160,8 @@ def count(model, batch, seq, autocast):
     finally:
         for h in handles:
             h.remove()
+        if gates:
+            gates.remove()
     return saved, selective
 
 
@@ -177,16 +184,20 @@ def per_token(config, kept, f, seq, r, c, seq_len):
                 for t in [*module.parameters(), *module.buffers()]:
                     t.zero_()
     autocast = r == 4 and c == 2
-    one, two = count(model, 1, seq, autocast), count(model, 2, seq, autocast)
-    return [[(b - a) / seq for a, b in zip(x, y)] for x, y in zip(one, two)]
+    counts = {(n, search): count(model, n, seq, autocast, search) for n in (1, 2) for search in (False, True)}
+
+    def slope(search, k):  # k: 0 saved, 1 selective
+        return [(b - a) / seq for a, b in zip(counts[1, search][k], counts[2, search][k])]
+    return slope(False, 0), slope(True, 0), slope(False, 1)  # saved; in the search; selective
 
 
 _MEASURED = {}
 
 
 def counted_bytes(config, r, c, seq_len):
-    """((saved bytes a token, one a layer), (selective's, one a layer)) at seq_len for `config`'s
-    model, counted on small instances (the module's docstring); made once a config and precision."""
+    """Bytes a token at seq_len for `config`'s model, one a layer, counted on small instances (the
+    module's docstring): (saved, saved in the search: the gates' too, selective's); made once a
+    config and precision."""
     key = (config.to_json_string(use_diff=False), r, c, seq_len)
     if key not in _MEASURED:
         _MEASURED[key] = _measure(config, r, c, seq_len)
@@ -217,7 +228,7 @@ def _measure(config, r, c, seq_len):
 
     def linear(x0, x1, x2):  # at v, 2 v, 4 v: on one line
         return all(abs((c - b) - 2 * (b - a)) <= 0.01 * abs(c) + 8
-                   for k in (0, 1) for a, b, c in zip(x0[k], x1[k], x2[k]))
+                   for k in range(3) for a, b, c in zip(x0[k], x1[k], x2[k]))
     while True:  # the smallest instances on which the bytes are linear in the widths and in s
         try:
             base, wide, long = (per_token(config, kept, g, s, r, c, seq_len)
@@ -237,9 +248,9 @@ def _measure(config, r, c, seq_len):
         f //= 2
     w = 1 / f  # bytes(1, seq_len) = base + A (1 - w) + C (seq_len - S1), per kind and layer
 
-    def at(k, j):
+    def at(k, j):  # k: saved, saved in the search, selective
         A = (wide[k][j] - base[k][j]) / w if f > 1 else 0.0
         C = (long[k][j] - base[k][j]) / S1
         return base[k][j] + A * (1 - w) + C * (seq_len - S1)
     first = {kind: kept.index(i) for i, kind in reversed(list(enumerate(kinds))) if i in kept}
-    return tuple(tuple(at(k, first[kind]) for kind in kinds) for k in (0, 1))
+    return tuple(tuple(at(k, first[kind]) for kind in kinds) for k in range(3))

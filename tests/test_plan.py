@@ -460,3 +460,29 @@ def test_the_plan_of_every_familys_default_config(family, tmp_path, capsys):
         prune.main(argv)
         summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert summary["ranks"] == int(ranks) and min(summary["activation_bytes"].values()) > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "qwen3_moe"])
+def test_the_formula_is_what_autograd_saves(family):
+    """Two independent counts of one thing: scale/plan.py's formula, read off the modules, and what
+    autograd saves on small instances of the model (scale/saved.py), for the families the formula
+    models: one process (fp32 stream, bf16 matmuls) and FSDP2 (bf16 stream), with and without the
+    search's gates, no checkpointing and selective, at a sequence past Gemma's window."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from scale.saved import counted_bytes
+    cfg = AutoConfig.for_model(family, hidden_size=512, intermediate_size=1024, num_hidden_layers=6,
+                               num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=1000,
+                               **(dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256)
+                                  if family == "qwen3_moe" else {}),
+                               **(dict(sliding_window=128) if family == "gemma3_text" else {}))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert all(P.modelled(layer) for layer in decoder_layers(model))
+    for r in (4, 2):
+        saved, searched, selective = counted_bytes(cfg, r, 2, 1024)
+        counted = {("none", False): saved, ("none", True): searched, ("selective", False): selective}
+        for (mode, search), each in counted.items():
+            want = sum(each) / len(each)
+            got = P.activation_formula(model, mode, r, 2, False, search, 1024)
+            assert got == pytest.approx(want, rel=5e-3), (r, mode, search)
