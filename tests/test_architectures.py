@@ -477,7 +477,8 @@ def test_the_cut_in_memory_generates_with_its_kv_cache(arch):
 
 
 # Every function that reads a decoder layer's modules or a config's structure, met by every family
-# above the day it is written: a new such function joins this list.
+# above the day it is written: a new such function joins READERS. (The export and its reload, the
+# costliest, are test_export_round_trip's, over the same CONFIGS.)
 def _plan(arch, model, tmp_path, capsys):
     """prune.py --plan 1 and 8 from the family's config.json alone: the last line one JSON object
     whose activation figures are positive."""
