@@ -236,7 +236,7 @@ def modelled(layer):
     head_dim = getattr(attn, "head_dim", None)
     if (not {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(parts) <= {"q_proj", "k_proj", "v_proj", "o_proj",
                                                                      "q_norm", "k_norm", "rotary_emb"}
-            or any(True for _ in attn.named_parameters(recurse=False))
+            or next(attn.parameters(recurse=False), None) is not None  # sinks
             or any(parts[n].weight.numel() != head_dim for n in ("q_norm", "k_norm") if n in parts)):
         return False
     norms = [m for n, m in children.items() if n.endswith("layernorm")]

@@ -27,9 +27,8 @@ log-sum-exp, a router's logits over E experts, top-k indices). With every width 
 S. A third point each way, (w / 2, S1) and (w, S1 / 2), checks that the instances are on that line
 (a head_dim of 3, a rotary fraction of it rounded down: the next, twice as wide; the narrower one
 unchecked where a kernel's alignment refuses it); an instance of more than MAX_PARAMS parameters is
-not built. A width this module does not
-know to scale stays at its size: its term lands in B, measured at full width, and the figure is as
-exact. The layers: one of each kind (surgery's layer signature: module types, shapes, per-layer
+not built. A width this module does not know to scale stays at its size: its term lands in B,
+measured at full width, and the figure is as exact. The layers: one of each kind (surgery's layer signature: module types, shapes, per-layer
 settings), the config cut to those with surgery.pruned_config.
 
 The instance runs in the run's precisions: r the residual stream's bytes (fp32 master weights under
@@ -166,8 +165,9 @@ def count(model, batch, seq, autocast, search=False):
     return saved, selective
 
 
-def per_token(config, kept, f, seq, r, c, seq_len):
-    """Per layer of the instance: (saved, selective) bytes a token, the slope from 1 to 2 sequences."""
+def per_token(config, kept, f, seqs, r, c, seq_len):
+    """{seq: per layer of the instance, (saved, saved in the search, selective) bytes a token, the
+    slope from 1 to 2 sequences of seq tokens} for each of `seqs`, the instance built once."""
     from transformers import AutoModelForCausalLM
     cfg = instance_config(config, kept, f, seq_len)
     with torch.device("meta"):
@@ -185,11 +185,14 @@ def per_token(config, kept, f, seq, r, c, seq_len):
                 for t in [*module.parameters(), *module.buffers()]:
                     t.zero_()
     autocast = r == 4 and c == 2
-    counts = {(n, search): count(model, n, seq, autocast, search) for n in (1, 2) for search in (False, True)}
+    out = {}
+    for seq in seqs:
+        counts = {(n, search): count(model, n, seq, autocast, search) for n in (1, 2) for search in (False, True)}
 
-    def slope(search, k):  # k: 0 saved, 1 selective
-        return [(b - a) / seq for a, b in zip(counts[1, search][k], counts[2, search][k])]
-    return slope(False, 0), slope(True, 0), slope(False, 1)  # saved; in the search; selective
+        def slope(search, k):  # k: 0 saved, 1 selective
+            return [(b - a) / seq for a, b in zip(counts[1, search][k], counts[2, search][k])]
+        out[seq] = slope(False, 0), slope(True, 0), slope(False, 1)  # saved; in the search; selective
+    return out
 
 
 _MEASURED = {}
@@ -217,7 +220,10 @@ def _measure(config, r, c, seq_len):
                          f"{mixers[0]} runs on a GPU in kernels that keep other tensors than the "
                          f"fallback a CPU instance runs")
     kinds = [json.dumps(_layer_signature(layer), sort_keys=True, default=str) for layer in decoder_layers(meta)]
-    kept = sorted({kind: i for i, kind in reversed(list(enumerate(kinds)))}.values())  # one of each
+    first = {}  # each kind of layer: the first layer of it, the one the instances keep
+    for i, kind in enumerate(kinds):
+        first.setdefault(kind, i)
+    kept = sorted(first.values())
     text = config.get_text_config()
 
     def valid(f):  # the widths / f: each a whole number, at least 2
@@ -229,7 +235,7 @@ def _measure(config, r, c, seq_len):
 
     def narrower(f):  # the instance at 2 f, or None where it does not run (a kernel's alignment
         try:  # of its rows: grouped_mm's 16 bytes): then the widths' line is not checked
-            return per_token(config, kept, 2 * f, S1, r, c, seq_len)
+            return per_token(config, kept, 2 * f, [S1], r, c, seq_len)[S1]
         except NotCounted:
             raise
         except Exception:  # noqa: BLE001
@@ -240,9 +246,9 @@ def _measure(config, r, c, seq_len):
                    for k in range(3) for a, b, c in zip(x0[k], x1[k], x2[k]))
     while True:  # the smallest instances on which the bytes are linear in the widths and in s
         try:
-            base, wide, long = (per_token(config, kept, g, s, r, c, seq_len)
-                                for g, s in ((f, S1), (max(1, f // 2), S1), (f, 2 * S1)))
-            short = per_token(config, kept, f, S1 // 2, r, c, seq_len)
+            at_f = per_token(config, kept, f, [S1 // 2, S1, 2 * S1], r, c, seq_len)
+            short, base, long = at_f[S1 // 2], at_f[S1], at_f[2 * S1]
+            wide = per_token(config, kept, f // 2, [S1], r, c, seq_len)[S1] if f > 1 else base
             if linear(short, base, long) and (f == 1 or linear(narrower(f), base, wide)):
                 break
             why = "the bytes a token are not linear in the widths and the sequence length"
@@ -260,5 +266,4 @@ def _measure(config, r, c, seq_len):
         A = (wide[k][j] - base[k][j]) / w if f > 1 else 0.0
         C = (long[k][j] - base[k][j]) / S1
         return base[k][j] + A * (1 - w) + C * (seq_len - S1)
-    first = {kind: kept.index(i) for i, kind in reversed(list(enumerate(kinds))) if i in kept}
-    return tuple(tuple(at(k, first[kind]) for kind in kinds) for k in range(3))
+    return tuple(tuple(at(k, kept.index(first[kind])) for kind in kinds) for k in range(3))
