@@ -117,6 +117,9 @@ def parse_args(argv=None):
     g.add_argument("--evo-offspring", type=int, default=PAPER["evo_offspring"], help="evo: children")
     g.add_argument("--evo-stages", default=PAPER["evo_stages"], help="evo: TOKENS:SURVIVORS,...")
     g.add_argument("--random-candidates", type=int, help="random: sets (default: evo's budget)")
+    g.add_argument("--experts-keep", type=int, help="MoE: routed experts each MoE layer keeps, searched "
+                   "beside the layers (experts/; --keep: default all layers)")
+    g.add_argument("--expert-init", default="kl", help="the experts' S_0: kl, reap, frequency, random")
     g = p.add_argument_group("training (Sec. 3.3, Appendix E)")
     g.add_argument("--loss", choices=sorted(kd.LOSSES), default="akd", help="akd: eq. 13 (the "
                    "paper's); kd: eq. 12; sft: next-token cross-entropy")
@@ -457,6 +460,7 @@ def prune_to_top_k(model, opt, search, args):
     Plackett-Luce law, and the other layers removed. They never run again and leave the optimizer,
     whose Adam moments for the kept weights carry over. Returns (kept, optimizer)."""
     kept = search.kept()
+    search.cut(model)
     print0(f"pruned to {len(kept)} layers: kept {kept}")
     for note in serving_notes(model.config, kept):
         print0(f"warning: {note}")
@@ -559,9 +563,10 @@ def check_args(args, config, L, world, vocab=0):
     first that cannot run, a warning for each layout an engine would serve differently. Returns
     the protected layers."""
     protected = protected_layers(L, args.protect_first, args.protect_last)
-    if args.keep is None or not max(1, len(protected)) <= args.keep <= L - 1:
+    args.keep = args.keep or (args.experts_keep and L)  # experts alone: every layer stays
+    if args.keep is None or not max(1, len(protected)) <= args.keep <= L - (not args.experts_keep):
         raise E3Error(f"--keep must be between {max(1, len(protected))} (the protected layers) and "
-                      f"{L - 1} for this {L}-layer model; got {args.keep}")
+                      f"{L - (not args.experts_keep)} for this {L}-layer model; got {args.keep}")
     if args.layers is not None and not (len(args.layers) == args.keep
                                         and set(protected) <= set(args.layers) <= set(range(L))):
         raise E3Error(f"--layers must name --keep ({args.keep}) distinct layers of 0..{L - 1}, the "
@@ -571,9 +576,10 @@ def check_args(args, config, L, world, vocab=0):
                       f"{config.get_text_config().vocab_size} embedding rows: resize them first")
     if (args.logit_chunk or 0) < 0:
         raise E3Error(f"--logit-chunk must be 0 (the plain logits) or tokens; got {args.logit_chunk}")
-    for flag, wing in ("guard", "baselines.guard"), ("train_last", "baselines.reverse"):
-        if getattr(args, flag) is not None:  # the baseline's own flag, checked by its wing
-            importlib.import_module(wing).check_args(args)
+    for flag, wing in ("guard", "baselines.guard"), ("train_last", "baselines.reverse"), (
+            "experts_keep", "experts.search"):
+        if getattr(args, flag) is not None:  # the wing's own flag, checked by its wing
+            importlib.import_module(wing).check_args(args, config)
     if args.kd_tail and args.targets != "topk" or args.kd_full and (world > 1 or args.logit_chunk):
         raise E3Error("--kd-tail needs a top-K cache (not sampled targets); --kd-full runs in one "
                       "process on the plain logits path (--logit-chunk 0): the teacher beside it")
@@ -733,6 +739,9 @@ def main(argv=None):
         run.truncate_log(step)
         print0(f"resumed from {resumed['path']} at step {step} ({'search' if kept is None else 'finetune'})")
     search = registered(SEARCHES, args.search)(S0, args, L, T, protected, args.device)
+    if args.experts_keep:  # and each MoE layer's routed experts, in the same steps (experts/)
+        search = importlib.import_module("experts.search").ExpertSearch(search, model, args, vocab, partial(
+            calibration_batches, args, tok, cache), run.log, resumed and resumed["kept"])
     if args.guard:  # the cut's set: the best by held-out KL of the last ones visited (baselines/)
         guard = importlib.import_module("baselines.guard").CutGuard  # scored as the run validates
         search = guard(search, model, search_cache, losses, run.log, validate)

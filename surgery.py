@@ -13,6 +13,7 @@ Model surgery on Hugging Face causal LMs: what E3-Pruner does to a model, each s
 HF decoder layers add their own residuals, so f(X_l) in eq. 1 is `layer(x) - x`.
 """
 import copy
+import importlib
 import json
 import os
 import re
@@ -235,6 +236,7 @@ class LayerSearch:
         sample_mask(j)         Alg. 1 l.4: the (L,) mask global micro-batch j runs, differentiable
         step()                 Alg. 1 l.5: the scores' update (average_grad(): over the ranks)
         kept()                 Alg. 1's return: the k layers to keep, were it to stop now
+        cut(model)             the search is over (experts/search.py freezes the experts here)
         state_dict(), load_state_dict(state), log_fields(), summary()   checkpoint, log, summary
     """
     in_loop = False  # whether it runs in the first T_M training steps (Gumbel-TopK, l0)
@@ -255,6 +257,9 @@ class LayerSearch:
 
     def kept(self):
         return top_k_layers(self.S, self.args.keep, self.protected)
+
+    def cut(self, model):
+        pass
 
     def log_fields(self):
         return {}
@@ -469,12 +474,15 @@ def export_pruned(source, state, kept, layers_before, tok, out_dir, info):
     """Write the pruned model as the user gave `source`: its model built on the meta device, cut to
     `kept`, handed `state` (the kept layers' full tensors) with assign=True, re-tied, cast back to
     the source's dtype (bf16 stays bf16), with its generation config, tokenizer files and chat
-    template, and pruning.json (`info` and the layer lists, original indices)."""
+    template, and pruning.json (`info` and the layer lists, original indices; info["kept_experts"]:
+    the experts each MoE layer keeps, removed by experts/cut.py)."""
     from transformers import GenerationConfig, PretrainedConfig
     model, _ = load_model(source, "cpu", torch.float32, weights=False)
     dtype = saved_dtype(source)
     remove_layers(model, kept)
     model.load_state_dict(state, strict=True, assign=True)
+    if info.get("kept_experts"):
+        model = importlib.import_module("experts.cut").remove_experts(model, info["kept_experts"], kept)
     model.tie_weights()  # assign replaced the shared embedding / head tensor by two copies
     cast_as_saved(model, dtype)
     for c in (model.config, *(v for v in vars(model.config).values() if isinstance(v, PretrainedConfig))):

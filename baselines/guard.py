@@ -28,7 +28,7 @@ from runtime import E3Error, default_corpus, print0
 from surgery import LayerGates, keep_mask, top_k_layers
 
 
-def check_args(args):
+def check_args(args, config=None):
     """prune.check_args' part for --guard N, before any work: N >= 1, a search in the training steps,
     and --search-data other than the text the run validates on (the --cache's, else --data's): the
     guard never chooses on the split the run reports."""

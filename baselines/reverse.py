@@ -38,7 +38,7 @@ from runtime import E3Error
 from surgery import decoder_layers
 
 
-def check_args(args):
+def check_args(args, config=None):
     """prune.check_args' part for --train-last N, before any work."""
     if args.train_last < 1:
         raise E3Error(f"--train-last takes the number of last layers to train, at least 1 (0 would "

@@ -17,6 +17,7 @@ count. In eval mode: a router's jitter noise (Mixtral's, when training) never mo
               not by how often. Llama-4 scales an expert's input by its gate (it adds f_j(g_j x));
               S_j still reads f_j on the token's own x, as REAP's code does for that family.
   frequency   the share of the valid tokens whose top-k holds j (a row sums to k)
+  random      uniform draws from the run's seeded generator: a random set, the baseline
   kl          the paper's Sec. 3.2 for an expert: s_{l,j} = E_x KL(p_{-(l,j)} || p), p the model's
               next-token distribution and p_{-(l,j)} that of the model whose layer-l router can
               never choose j (routing.expert_unroutable: its top-k among the other E - 1). Exact:
@@ -136,17 +137,24 @@ def prefix_reused(layers, rec, start):
             vars(layer).update(forward=forward) if forward else vars(layer).pop("forward")
 
 
+def random_expert_scores(model, batches=None, vocab=None, generator=None):
+    """Uniform random scores (the random-set baseline): (scores [M, E] float64, the MoE layers)."""
+    moes = moe_layers(model)
+    return torch.rand(len(moes), experts_per_layer(moes), generator=generator,
+                      dtype=torch.float64), [m.index for m in moes]
+
+
 EXPERT_IMPORTANCE = {"reap": reap_importance, "frequency": frequency_importance,
-                     "kl": kl_expert_importance}
+                     "kl": kl_expert_importance, "random": random_expert_scores}
 
 
-def score_experts(method, model, batches, vocab, log=None):
+def score_experts(method, model, batches, vocab, log=None, generator=None):
     """EXPERT_IMPORTANCE[method] on the calibration batches, written to the run's log (`log`, e.g.
     prune.RunFolder.log) as the layers' importance is, and printed a line a MoE layer:
     (scores [M, E], layers)."""
     if method not in EXPERT_IMPORTANCE:
         raise E3Error(f"no expert importance '{method}'; one of {', '.join(sorted(EXPERT_IMPORTANCE))}")
-    scores, layers = EXPERT_IMPORTANCE[method](model, batches, vocab)
+    scores, layers = EXPERT_IMPORTANCE[method](model, batches, vocab, generator)
     if log is not None:
         log(event="expert_importance", method=method, layers=layers, scores=scores.tolist(), step=0)
     for l, row in zip(layers, scores.tolist()):

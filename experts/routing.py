@@ -37,7 +37,7 @@ gates; in the second g_j(x_t) = <u_{j,t}, x_t> / <x_t, x_t> (x_t the router's in
 input's rounding, and the chosen experts are those with g != 0. The expert outputs f_j(x_t) are the
 family's own code on the chosen pairs: experts(x repeated k times, the chosen index, weight 1).
 """
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -102,52 +102,129 @@ def experts_per_layer(moes):
 
 
 # -----------------------------------------------------------------------------
-# One expert unroutable
+# Experts unroutable: one at a time (importance), or a mask a forward (the search, the cut)
 
 class _LogitMask(TorchFunctionMode):
-    """While active: the output of every F.linear of width E gets -inf in the columns `drop`."""
+    """While active: the output of every F.linear of width E gets -inf where `keep` [E] is False."""
 
-    def __init__(self, E, drop):
+    def __init__(self, keep):
         super().__init__()
-        self.E, self.drop, self.hits = E, drop, 0
+        self.keep, self.hits = keep, 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))  # inside its own handler the mode is off: no recursion
-        if func is F.linear and out.shape[-1] == self.E:
+        if func is F.linear and out.shape[-1] == self.keep.shape[0]:
             self.hits += 1
-            out = out.index_fill(-1, self.drop.to(out.device), float("-inf"))
+            out = out.masked_fill(~self.keep.to(out.device), float("-inf"))
         return out
+
+
+def masked_router(moe, keep, own):
+    """A forward for `moe`'s router: `own` (its forward as found) with the experts where keep() [E]
+    is False unroutable, their logits -inf before the family's choice and so a per-expert score
+    correction (a floating buffer of E values on the router: DeepSeek-V3's e_score_correction_bias),
+    a masked copy in the buffer's place while it runs. keep() None: `own` as it is. A router whose
+    logits are not one F.linear of width E is refused with one line when it runs."""
+    router, E = moe.router, moe.E
+    corrections = [name for name, b in router.named_buffers(recurse=False)
+                   if b.is_floating_point() and tuple(b.shape) == (E,)]
+
+    def forward(*args, **kwargs):
+        mask = keep()
+        if mask is None:
+            return own(*args, **kwargs)
+        mask = mask.detach() != 0  # bool [E]; a float 0/1 mask's values (no host sync)
+        found = {name: router._buffers[name] for name in corrections}
+        for name, b in found.items():
+            router._buffers[name] = b.masked_fill(~mask.to(b.device), float("-inf"))
+        try:
+            with _LogitMask(mask) as logits:
+                out = own(*args, **kwargs)
+        finally:
+            router._buffers.update(found)
+        if logits.hits != 1:
+            raise E3Error(f"layer {moe.index}: {type(router).__name__} made {logits.hits} outputs of "
+                          f"width {E} with F.linear, not one (its logits): experts/routing.py cannot "
+                          f"make an expert unroutable in this family")
+        return out
+    return forward
+
+
+@contextmanager
+def forward_replaced(module, make):
+    """Inside the block module.forward is make(its forward as found); then what was found again (a
+    wrapper's, else the class's)."""
+    found = vars(module).get("forward")
+    module.forward = make(module.forward)
+    try:
+        yield
+    finally:
+        vars(module).update(forward=found) if found else vars(module).pop("forward")
 
 
 @contextmanager
 def expert_unroutable(moe, experts):
     """Inside the block, the router of `moe`'s layer never chooses `experts` (an index or several):
-    their logits are -inf before the family's choice, and so is a per-expert score correction (a
-    floating buffer of E values on the router, DeepSeek-V3's e_score_correction_bias). The top-k is
-    then taken among the others and renormalised as the family does. A router whose logits are not
-    one F.linear of width E is refused with one line when it runs."""
-    drop = torch.tensor(sorted({experts} if isinstance(experts, int) else set(experts)))
-    router, E = moe.router, moe.E
-    found, own = vars(router).get("forward"), router.forward  # a wrapper's, else the class's
-
-    def forward(*args, **kwargs):
-        with _LogitMask(E, drop) as mask:
-            out = own(*args, **kwargs)
-        if mask.hits != 1:
-            raise E3Error(f"layer {moe.index}: {type(router).__name__} made {mask.hits} outputs of width "
-                          f"{E} with F.linear, not one (its logits): experts/routing.py cannot make "
-                          f"expert {drop.tolist()} unroutable in this family")
-        return out
-    corrections = {name: b for name, b in router.named_buffers(recurse=False)
-                   if b.is_floating_point() and tuple(b.shape) == (E,)}
-    router.forward = forward
-    for name, b in corrections.items():  # a masked copy in its place; the buffer itself untouched
-        router._buffers[name] = b.index_fill(0, drop.to(b.device), float("-inf"))
-    try:
+    the top-k is taken among the others and renormalised as the family does (masked_router)."""
+    keep = torch.ones(moe.E, dtype=torch.bool)
+    keep[sorted({experts} if isinstance(experts, int) else set(experts))] = False
+    with forward_replaced(moe.router, lambda own: masked_router(moe, lambda: keep, own)):
         yield
-    finally:
-        router._buffers.update(corrections)
-        vars(router).update(forward=found) if found else vars(router).pop("forward")
+
+
+class ExpertGates:
+    """The routed experts of the search and of the cut, a 0/1 mask per MoE layer, in routing: while
+    installed, each MoE layer moes[m] (row rows[m] of an [M, E] mask) routes with the mask
+
+        `mask` in training mode when set (the search's draw), else `hard` (the set the cut keeps,
+        or would keep now; None: every expert)
+
+    where m_j = 0 makes expert j unroutable (masked_router) and each chosen expert's gate is
+    multiplied by m_j, 1 in value: the forward is the masked model's exactly, and the gradient
+    dL/dm_j = sum over the tokens routed to j of g_j(x) <dL/dy, f_j(x)> reaches the scores through
+    the straight-through mask (an unchosen expert has none: the routing adds no pass over the
+    experts). The gate is what the experts module is called with: experts(x, indices, weights)
+    (weights[t, s] the gate of expert indices[t, s]), or experts(u) with u_{j,t} = g_j(x_t) x_t
+    stacked per expert (Llama-4, which gates the input). remove() puts the forwards back."""
+
+    def __init__(self, moes, rows):
+        self.mask = self.hard = None
+        self.stack = ExitStack()
+        for moe, row in zip(moes, rows):
+            self.stack.enter_context(forward_replaced(
+                moe.router, lambda own, moe=moe, row=row: masked_router(moe, lambda: self.row(moe, row), own)))
+            self.stack.callback(moe.experts.register_forward_pre_hook(
+                lambda module, args, kwargs, moe=moe, row=row: _gated(moe, self.row(moe, row), args, kwargs),
+                with_kwargs=True).remove)
+
+    def row(self, moe, row):
+        """The mask layer `row` routes with now, as bool-able 0/1 values [E] (None: every expert)."""
+        mask = self.mask if moe.router.training and self.mask is not None else self.hard
+        return None if mask is None else mask[row]
+
+    def remove(self):
+        self.stack.close()
+
+
+def _gated(moe, m, args, kwargs):
+    """The experts' call with each chosen expert's gate multiplied by m [E] (None: as it is)."""
+    if m is None:
+        return None
+    args, kwargs = list(args), dict(kwargs)
+    slots = [(c, k) for c, keys in ((args, range(len(args))), (kwargs, list(kwargs))) for k in keys
+             if torch.is_tensor(c[k])]
+    index = [c[k] for c, k in slots if not c[k].is_floating_point()]
+    if len(slots) == 3 and len(index) == 1:  # experts(x, indices, weights)
+        c, k = next((c, k) for c, k in slots if c[k].is_floating_point() and c[k].shape == index[0].shape)
+        c[k] = c[k] * m.to(c[k].dtype)[index[0]]
+    elif len(slots) == 1:  # experts(u), the rows of expert j times m_j
+        (c, k), E = slots[0], moe.E
+        c[k] = (c[k].view(E, -1, c[k].shape[-1]) * m.to(c[k].dtype)[:, None, None]).view(c[k].shape)
+    else:
+        raise E3Error(f"layer {moe.index}: {type(moe.experts).__name__} is called with {len(slots)} "
+                      f"tensors, neither (x, indices, weights) nor the stacked inputs: "
+                      f"experts/routing.py cannot gate its experts")
+    return tuple(args), kwargs
 
 
 # -----------------------------------------------------------------------------

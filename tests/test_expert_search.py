@@ -1,0 +1,278 @@
+"""The expert search and cut (experts/search.py, experts/cut.py, routing.ExpertGates) on a tiny model of
+every MoE family the project tests, each against a reference written here: a mask on the gates against
+the model whose layers were built by hand without those experts; the straight-through gradient of a
+gate against a float64 central difference of the loss with the expert's own weights scaled; the cut
+and its export against the masked model, reloaded by plain transformers; prune.py end to end with
+experts, with layers and experts, resumed across the cut; the refusals, one line each."""
+import copy
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from experts.cut import remove_experts
+from experts.routing import ExpertGates, moe_layers
+from runtime import E3Error
+from surgery import decoder_layers
+from test_architectures import CONFIGS, VOCAB, tiny
+from test_experts import COUNT_KEYS, MOE, batches, moe_model
+from test_prune import corpus, events, run_here, tiny_args, weights  # noqa: F401  (corpus: a fixture)
+
+# per MoE row: the experts kept (2 of 4: every family routes a token to at most 2)
+SETS = [[0, 2], [1, 3], [2, 3], [0, 1]]
+
+
+def deleted(model, drop):
+    """Independent reference: the family's model built with one expert count fewer... as many fewer
+    as `drop` names, every tensor whose first size E shrank losing the rows of `drop` (found by
+    comparing with the small model's shapes, not by the code under test)."""
+    config = copy.deepcopy(model.config)
+    key = next(k for k in COUNT_KEYS if getattr(config, k, None) == 4)
+    setattr(config, key, 4 - len(drop))
+    small = AutoModelForCausalLM.from_config(config, dtype=next(model.parameters()).dtype).eval()
+    target, keep = small.state_dict(), [j for j in range(4) if j not in drop]
+    small.load_state_dict({name: t[keep] if t.shape != target[name].shape else t
+                           for name, t in model.state_dict().items()})
+    return small
+
+
+def layered_reference(model, sets):
+    """model with each MoE layer m taken from the model built without the experts outside sets[m]."""
+    ref = copy.deepcopy(model)
+    layers = decoder_layers(ref)
+    for m, moe in enumerate(moe_layers(model)):
+        small = deleted(model, [j for j in range(4) if j not in sets[m]])
+        layers[moe.index] = decoder_layers(small)[moe.index]
+    return ref
+
+
+def kept_mask(sets, M):
+    return torch.zeros(M, 4).scatter_(1, torch.tensor(sets[:M]), 1.0)
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_gates_route_as_the_experts_deleted_and_the_cut_exports_that_model(arch, tmp_path):
+    """A hard mask on ExpertGates (in training mode: `mask`; in eval mode: `hard`) == the model whose
+    layers were built without the masked experts; remove_experts == both, and its save_pretrained
+    reloads with nothing missing, unexpected or random, logits equal; the gates removed, the dense
+    model again."""
+    model, (x, attn) = moe_model(arch), batches()[0]
+    moes = moe_layers(model)
+    sets = SETS[:len(moes)]
+    with torch.no_grad():
+        dense = model(x, attention_mask=attn).logits
+        reference = layered_reference(model, sets)(x, attention_mask=attn).logits
+    assert not torch.allclose(reference, dense, atol=1e-4)  # the comparison can fail
+    gates = ExpertGates(moes, list(range(len(moes))))
+    gates.hard = kept_mask(sets, len(moes))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, attention_mask=attn).logits, reference, rtol=1e-5, atol=1e-5)
+        model.train()  # training mode, no draw: the hard mask; a draw: the draw
+        torch.testing.assert_close(model(x, attention_mask=attn).logits, reference, rtol=1e-5, atol=1e-5)
+        gates.mask, gates.hard = kept_mask(sets, len(moes)), None
+        torch.testing.assert_close(model(x, attention_mask=attn).logits, reference, rtol=1e-5, atol=1e-5)
+        model.eval()  # eval mode ignores the draw: every expert (hard None)
+        torch.testing.assert_close(model(x, attention_mask=attn).logits, dense, rtol=0, atol=0)
+    gates.remove()
+    assert not any("forward" in vars(m.router) for m in moes)
+    cut = remove_experts(model, {m.index: s for m, s in zip(moes, sets)})
+    with torch.no_grad():
+        torch.testing.assert_close(cut(x, attention_mask=attn).logits, reference, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(x, attention_mask=attn).logits, dense, rtol=0, atol=0)
+    key = next(k for k in COUNT_KEYS if getattr(cut.config, k, None) is not None)
+    assert getattr(cut.config, key) == 2 and getattr(model.config, key) == 4
+    cut.save_pretrained(tmp_path)
+    back, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info.values()), info
+    with torch.no_grad():
+        torch.testing.assert_close(back.eval()(x, attention_mask=attn).logits, reference, rtol=1e-5, atol=1e-5)
+
+
+def scaled_weights(model, moe, s):
+    """{name: tensor} of `moe`'s expert weights with expert j's times s[j] where its gate acts: its
+    output (down_proj, and GPT-OSS's down_proj_bias), or, in Llama-4, which gates the expert's input,
+    its input (gate_up_proj)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    llama4 = "llama4" in type(model).__name__.lower()
+    return {f"{names[id(moe.experts)]}.{n}": p * s.view(-1, *[1] * (p.dim() - 1))
+            for n, p in moe.experts.named_parameters()
+            if ((n == "gate_up_proj") if llama4 else n.startswith("down_proj"))}
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss", "llama4_text", "granitemoe"])
+def test_the_straight_through_gradient_is_the_gate_s_derivative(arch):
+    """dL/dm_j at a hard mask, by autograd through the gates, == dL/ds_j in float64 where s_j scales
+    expert j's own weights where its gate acts (its output; Llama-4: its input), the weights a
+    function of s (torch.func.functional_call), the gates a constant mask: for the kept experts; a
+    masked expert gets none (it never ran)."""
+    model = moe_model(arch).double()
+    model.config._experts_implementation = "eager"  # torch._grouped_mm has no float64
+    x, attn = batches()[0]
+    moes = moe_layers(model)
+    target = torch.randn(*x.shape, VOCAB, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    hard = kept_mask([[0, 1, 2]] * 4, len(moes)).double()
+    m = hard.clone().requires_grad_()
+    gates = ExpertGates(moes, list(range(len(moes))))
+    gates.hard = m
+    (model(x, attention_mask=attn).logits * target).mean().backward()
+    gates.hard, checked = hard, 0  # the reference: no gradient through the gates
+    for r, moe in enumerate(moes):
+        s = torch.ones(4, dtype=torch.float64, requires_grad=True)
+        logits = torch.func.functional_call(model, scaled_weights(model, moe, s), (x,),
+                                            {"attention_mask": attn}).logits
+        (reference,) = torch.autograd.grad((logits * target).mean(), s)
+        assert m.grad[r, 3] == 0 and reference[3] == 0
+        torch.testing.assert_close(m.grad[r], reference, rtol=1e-5, atol=1e-10)
+        checked += int((reference.abs() > 1e-7).sum())
+    assert checked >= len(moes) * 2  # the gradients are not all 0
+    gates.remove()
+
+
+# -----------------------------------------------------------------------------
+# prune.py with experts: every MoE family end to end, the resume, the refusals
+
+from test_architectures import saved  # noqa: E402, F401  (a fixture)
+from test_prune import one_line_error  # noqa: E402
+
+
+def exported_logits_match(model, out):
+    """The export reloads with nothing missing or unexpected, and its logits are those of the model
+    prune.py returned (the training model, its removed experts unroutable, eval mode)."""
+    back, info = AutoModelForCausalLM.from_pretrained(Path(out) / "model", output_loading_info=True)
+    assert not any(info.values()), info
+    x = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(back.eval()(x).logits, model.eval()(x).logits, rtol=1e-4, atol=1e-4)
+    return back
+
+
+# the structurally different ones by default (a shared expert, DeepSeek's sigmoid routing and MLA,
+# GPT-OSS's transposed experts with biases, Llama-4's gated inputs); the rest in -m slow
+DEFAULT = ("qwen2_moe", "deepseek_v3", "gpt_oss", "llama4_text")
+
+
+@pytest.mark.parametrize("arch", [a if a in DEFAULT else pytest.param(a, marks=pytest.mark.slow) for a in MOE])
+def test_prune_py_searches_cuts_and_exports_experts_and_layers(arch, saved, corpus, tmp_path, monkeypatch):  # noqa: F811
+    """prune.py --keep 4 --experts-keep 2 on each MoE family: KL importance of the layers and of the
+    experts, both Gumbel searches in the same steps (the draws: k'_t experts in every MoE row), the
+    cut, AKD, the export: pruning.json lists 2 experts for each kept MoE layer, the config counts 2,
+    the checkpoint reloads clean and computes what the run's model computed."""
+    import prune
+    out = tmp_path / "run"
+    argv = tiny_args(saved(arch), corpus, out, "--experts-keep", "2", "--steps", "6", "--n-calib", "2")
+    monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
+    model = prune.main(argv)
+    info = json.loads((out / "model" / "pruning.json").read_text())
+    moe_rows = events(out, "expert_importance")[0]["layers"]
+    kept_moe = [l for l in moe_rows if l in info["kept_layers"]]
+    assert sorted(map(int, info["kept_experts"])) == kept_moe and len(info["kept_layers"]) == 4
+    assert all(len(e) == 2 and e == sorted(set(e)) for e in info["kept_experts"].values())
+    searched = events(out, "expert_search")
+    assert [e["k"] for e in searched] == [3, 2, 2]  # k'_t = 4 - ceil(2 t / 3): T_M = 3
+    final = torch.tensor(searched[-1]["scores"])
+    for r, l in enumerate(moe_rows):  # the set kept: the top 2 of S^e at the cut
+        if str(l) in info["kept_experts"]:
+            assert info["kept_experts"][str(l)] == sorted(final[r].topk(2).indices.tolist())
+    key = next(k for k in COUNT_KEYS if k in json.loads((out / "model" / "config.json").read_text()))
+    assert json.loads((out / "model" / "config.json").read_text())[key] == 2
+    exported_logits_match(model, out)
+
+
+def test_experts_alone_resume_across_the_cut(saved, corpus, tmp_path, monkeypatch):  # noqa: F811
+    """--experts-keep without --keep keeps every layer; stopped at step 3 (mid-search, T_M = 4) and at
+    the cut, each resumed, == the uninterrupted run: the experts kept, the scores, the weights."""
+    import prune
+    monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
+    base = tiny_args(saved("qwen2_moe"), corpus, "OUT", "--experts-keep", "2")
+    i = base.index("--keep")
+    base = base[:i] + base[i + 2:]
+
+    def args(out, *extra):
+        return [str(out) if a == "OUT" else a for a in base] + list(extra)
+    whole = tmp_path / "whole"
+    model = prune.main(args(whole))
+    exported_logits_match(model, whole)
+    reference = json.loads((whole / "model" / "pruning.json").read_text())
+    assert reference["kept_layers"] == list(range(6)) and reference["experts"] == "4 -> 2"
+    for until in ("3", "cut"):
+        out = tmp_path / until
+        prune.main(args(out, "--until", until))
+        prune.main(args(out, "--resume"))
+        got = json.loads((out / "model" / "pruning.json").read_text())
+        assert got["kept_experts"] == reference["kept_experts"]
+        assert got["final_scores"] == reference["final_scores"]
+        a, b = weights(whole), weights(out)
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5, msg=key)
+        assert events(out, "expert_search")[-1] == events(whole, "expert_search")[-1]
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--experts-keep", "1"], ["--experts-keep must be between 2", "got 1"]),
+    (["--experts-keep", "4"], ["--experts-keep must be between 2", "and 3", "got 4"]),
+    (["--experts-keep", "2", "--search", "evo"], ["--search gumbel or none"]),
+    (["--experts-keep", "2", "--expert-init", "bogus"], ["--expert-init must be one of", "bogus"]),
+    (["--experts-keep", "2", "--guard", "2", "--search-data", "X"], ["--guard", "--experts-keep"]),
+])
+def test_expert_misuse_is_one_line_before_any_work(extra, words, saved, corpus, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "run"
+    one_line_error(tiny_args(saved("qwen3_moe"), corpus, out, *extra), capsys, *words)
+    assert not out.exists()
+
+
+def test_deepseek_groups_stay_whole(tmp_path):
+    """DeepSeek-V3 with 8 experts in 2 groups (the top-2 among the 4 experts of the best group): the
+    search draws and keeps whole groups' shares, and a cut of 2 per group, n_group kept, computes
+    what the masked model computes."""
+    import argparse
+
+    from experts.search import ExpertSearch
+    from prune import GumbelTopKSearch
+    config = dict(CONFIGS["deepseek_v3"][1], n_routed_experts=8, n_group=2, topk_group=1)
+    from transformers import AutoConfig
+    cfg = AutoConfig.for_model("deepseek_v3", vocab_size=VOCAB, max_position_embeddings=64,
+                               initializer_range=0.2, num_hidden_layers=4, **config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.linspace(-1, 1, 8))
+    args = argparse.Namespace(experts_keep=4, keep=4, search_steps=4, seed=0, score_lr=0.1, beta=0.9,
+                              masks_per_step=1, score_lr_schedule="constant", expert_init="random",
+                              score_scale=1.0)
+    search = ExpertSearch(GumbelTopKSearch(torch.zeros(4), args, 4, 8, [], "cpu"), model, args, VOCAB,
+                          lambda: [], lambda **e: None)
+    search.prepare(model, None, None, None)
+    for t in (1, 4):
+        search.begin_step(t)
+        search.sample_mask(0)
+        per_group = search.gates.mask.view(2, 2, 4).sum(-1)  # rows (layers 2, 3) x groups
+        assert torch.equal(per_group, torch.full((2, 2), 3.0 if t == 1 else 2.0))
+    sets = [[0, 3, 5, 6], [1, 2, 4, 7]]  # 2 of each group of 4
+    search.gates.hard = torch.zeros(2, 8).scatter_(1, torch.tensor(sets), 1.0)
+    x = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        masked = model(x).logits
+        search.gates.remove()
+        dense = model(x).logits
+        cut = remove_experts(model, {2: sets[0], 3: sets[1]})
+        assert (cut.config.n_routed_experts, cut.config.n_group, cut.config.topk_group) == (4, 2, 1)
+        torch.testing.assert_close(cut(x).logits, masked, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(masked, dense, atol=1e-4)
+
+
+def test_a_dense_model_and_uneven_groups_are_refused(saved, corpus, tmp_path, capsys):  # noqa: F811
+    one_line_error(tiny_args(saved("llama"), corpus, tmp_path / "a", "--experts-keep", "2"), capsys,
+                   "--experts-keep prunes routed experts", "llama")
+    from experts.search import check_args
+    config = tiny("deepseek_v3").config
+    config.n_routed_experts, config.n_group, config.topk_group = 8, 2, 1
+    args = type("Args", (), dict(experts_keep=3, search="gumbel", expert_init="kl", guard=None))()
+    with pytest.raises(E3Error, match="route in 2 groups"):
+        check_args(args, config)
+    args.experts_keep = 4
+    check_args(args, config)
