@@ -18,11 +18,11 @@ Face causal LM and recover its quality cheaply. main() reads top-down as the pap
   python prune.py --model M --keep K           # one process, the paper's settings
   torchrun --nproc_per_node 8 prune.py --model meta-llama/Llama-2-7b-hf --keep 13
   python prune.py --model M --keep K --plan 8  # the plan for 8 ranks, from config.json alone
+  python prune.py --model M --experts-keep N   # MoE: N routed experts a layer, searched (experts/)
 
-Under torchrun the model is sharded with FSDP2 (scale/, by one call: parallelize_student). A method
-is a name in a registry, the paper's beside the baselines' (baselines/, imported when named):
-IMPORTANCE (--init), SEARCHES (--search), kd.LOSSES (--loss, --search-loss); a fork adds its own.
-"""
+Under torchrun FSDP2 shards the model (scale/, one call: parallelize_student). A method is a name in
+a registry, the paper's beside the baselines' (baselines/, imported when named): IMPORTANCE (--init),
+SEARCHES (--search), kd.LOSSES (--loss, --search-loss); a fork adds its own."""
 import argparse
 import hashlib
 import importlib
@@ -51,14 +51,12 @@ from surgery import (LayerGates, LayerSearch, check_removable, decoder_layers, e
                      sequences_read, serving_notes)
 
 # -----------------------------------------------------------------------------
-# Settings: the paper's (Appendix E, Llama-2-7B's column) are every flag's default. "T/20" is a
-# fraction of the T training steps: the paper's 60 warm-up steps of 1200, so that a shorter budget
-# keeps the schedule's shape. --tokens is the budget: T = tokens / (batch x seq-len).
+# Settings: the paper's (Appendix E, Llama-2-7B's column) are every flag's default. "T/20" is a fraction
+# of the T steps (the paper's 60 warm-up steps of 1200): a shorter budget keeps the schedule's shape.
 PAPER = dict(tokens=1200 * 128 * 4096, batch_size=128, seq_len=4096, lr=1e-4,
              warmup="T/20", eval_every="T/12", ckpt_every="T/6", search_frac=0.1, beta=0.9,
              topk=10, n_calib=40, score_lr=0.05, evo_offspring=32, evo_stages="2048:2,32768:1")
-# The demo is a preset, what runs with no --model: the packaged SmolLM2-135M, 30 -> 20 layers,
-# sized for a 2-core CPU (~10 minutes). Any flag given still wins.
+# The demo, a preset for no --model: the packaged SmolLM2-135M, 30 -> 20, a 2-core CPU's ~10 minutes
 DEMO = dict(keep=20, tokens=40_960, batch_size=8, micro_batch=4, seq_len=128, warmup=4,
             eval_every=10, ckpt_every=20, n_calib=16, evo_generations=8, evo_offspring=16,
             evo_stages="128:2,4096:1")
@@ -117,8 +115,7 @@ def parse_args(argv=None):
     g.add_argument("--evo-offspring", type=int, default=PAPER["evo_offspring"], help="evo: children")
     g.add_argument("--evo-stages", default=PAPER["evo_stages"], help="evo: TOKENS:SURVIVORS,...")
     g.add_argument("--random-candidates", type=int, help="random: sets (default: evo's budget)")
-    g.add_argument("--experts-keep", type=int, help="MoE: routed experts each MoE layer keeps, searched "
-                   "beside the layers (experts/; --keep: default all layers)")
+    g.add_argument("--experts-keep", type=int, help="MoE: routed experts a layer keeps (experts/; --keep: all)")
     g.add_argument("--expert-init", default="kl", help="the experts' S_0: kl, reap, frequency, random")
     g = p.add_argument_group("training (Sec. 3.3, Appendix E)")
     g.add_argument("--loss", choices=sorted(kd.LOSSES), default="akd", help="akd: eq. 13 (the "
@@ -227,7 +224,6 @@ def make_optimizer(model, args, carried=None):
     over for the parameters still here (a fresh Adam would restart its bias correction)."""
     params = [p for p in model.parameters() if p.requires_grad]
     # betas (0.9, 0.95), the usual LLM choice (the paper names AdamW and the lr); fused: one kernel
-    # with no temporaries the size of all the weights
     opt = torch.optim.AdamW(params, args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
     for p in params if carried is not None else []:
         if p in carried:  # a kept layer's weights are the same Parameter objects after the cut
@@ -291,10 +287,9 @@ def validate(model, cache, losses, args):
 
 
 def validation(model, cache, losses, args, run, measured, when, t):
-    """validate() at step t, logged and printed; measured: step -> losses, so that the cut and an
-    eval at one step validate once. "kd" is the loss of the cache's own targets (negative for a top-K
-    cache, above 0 at the teacher itself for sampled and hybrid ones): it compares runs of one kind
-    of target."""
+    """validate() at step t, logged and printed; measured: step -> losses (the cut and an eval at one
+    step validate once). "kd": the loss of the cache's own targets (< 0 for a top-K cache, > 0 at the
+    teacher itself for sampled and hybrid ones): it compares runs of one kind of target."""
     if not cache or not cache.len_split("val"):  # a cache built with --val-frac 0
         return None
     kd_loss, ce = measured[t] = measured.get(t) or validate(model, cache, losses, args)
@@ -334,9 +329,8 @@ def micro_batches(source, kind, step, args, rank, world, teacher=None):
 
 
 def train_step(model, opt, losses, batches, kind, t, args, gates=None, draw=None):
-    """Optimizer step t over this rank's micro-batches (in the search micro-batch m runs the mask
-    draw(m)). Returns the loss averaged over the ranks and the gradient norm, read once a step:
-    never in the micro-batch loop, where a host sync would stall a GPU."""
+    """Optimizer step t over this rank's micro-batches (in the search micro-batch m runs draw(m)):
+    the loss averaged over the ranks and the gradient norm, read once a step, never in the loop."""
     loss_sum = torch.zeros((), dtype=torch.float64, device=args.device)
     for m, batch in enumerate(batches):
         if gates is not None:
@@ -349,8 +343,7 @@ def train_step(model, opt, losses, batches, kind, t, args, gates=None, draw=None
         raise E3Error(f"loss is {loss} at step {t}; the last checkpoint in {args.out} is intact: "
                       f"lower --lr or check the data, then --resume")
     norm = clip_gradients(model, args.grad_clip)
-    # Alg. 1 l.6: Theta <- Theta - lr dL/dTheta (the paper steps S first: both gradients came from
-    # one backward at the same (Theta, S), so the order is immaterial)
+    # Alg. 1 l.6: Theta <- Theta - lr dL/dTheta (after S or before: one backward made both gradients)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss, norm.item()
@@ -559,9 +552,8 @@ def resolve_args(args, world, cache=None):
 
 
 def check_args(args, config, L, world, vocab=0):
-    """Every flag checked against the model and the world before any work: one error line for the
-    first that cannot run, a warning for each layout an engine would serve differently. Returns
-    the protected layers."""
+    """Every flag checked against the model and the world before any work: one error line for the first
+    that cannot run, a warning for each layout an engine would serve differently; the protected layers."""
     protected = protected_layers(L, args.protect_first, args.protect_last)
     args.keep = args.keep or (args.experts_keep and L)  # experts alone: every layer stays
     if args.keep is None or not max(1, len(protected)) <= args.keep <= L - (not args.experts_keep):
@@ -604,13 +596,11 @@ def make_losses(args, vocab, world):
 
 
 # -----------------------------------------------------------------------------
-# The run folder (README): run.json, log.jsonl, checkpoints/step_N/ and model/. A checkpoint is
-# torch.distributed.checkpoint's: each rank writes and reads its own shards of the weights and
-# AdamW's moments, a resume on another number of ranks reshards on load, and one process writes the
-# same format (no_dist); extra.pt beside them holds the small state. Multi-node: one shared OUT.
+# The run folder (README): run.json, log.jsonl, checkpoints/step_N/ and model/. A checkpoint is DCP's:
+# each rank writes and reads its shards of the weights and AdamW's moments, another number of ranks
+# reshards on load, one process writes the same (no_dist); extra.pt: the small state. Multi-node: one OUT.
 
-# in one process DCP warns that it "assumes the intent is to save in a single process": it is
-warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP in one process: it is
 
 
 class Run:

@@ -72,10 +72,9 @@ def with_hidden(output, new):
 class LayerGates:
     """Forward hooks that make every decoder layer l compute  out = x + m_l (layer(x) - x).
 
-    As torch.lerp(x, layer(x), m): the same value and gradient d out / d m = layer(x) - x in one
-    kernel, exact at the ends (m = 1 gives the layer's output bit for bit, m = 0 the input), so a
-    hard-masked model and the physically pruned one agree exactly. A layer with m_l = 0 still runs:
-    its delta is the gradient of its score (the straight-through estimator, Sec. 3.2).
+    As torch.lerp(x, layer(x), m): value and gradient d out / d m = layer(x) - x in one kernel, exact
+    at the ends (m = 1: the layer's output bit for bit, m = 0: the input; hard-masked == pruned). A
+    layer with m_l = 0 still runs: its delta is its score's gradient (straight-through, Sec. 3.2).
     mask = None switches the gates off; the hooks leave state-dict keys and FSDP units as they are."""
 
     def __init__(self, model):
@@ -145,10 +144,9 @@ def kl_importance(model, batches, vocab, generator=None, chunk=1024):
     """s_l = mean over the valid tokens of KL(p_{-l} || p), p the model's next-token distribution and
     p_{-l} that of the model with layer l bypassed (Sec. 3.2), float64, length L; larger = more
     important. batches: (input_ids, attention_mask or None); pad positions never count. One full
-    forward records every layer's input, then each bypassed model starts at its layer (about L^2/2
-    layer calls instead of L (L + 1)). The KL runs on `chunk` tokens at a time in fp32, over the
-    tokenizer's `vocab` ids. In eval mode: the scores are the model's, not a dropout sample's.
-    Deterministic: `generator` (every importance's signature, prune.IMPORTANCE) is not used."""
+    forward records every layer's input, then each bypassed model starts at its layer (~L^2/2 layer
+    calls, not L (L + 1)). The KL: `chunk` tokens at a time in fp32, over the tokenizer's `vocab` ids.
+    Eval mode: the model's scores, not a dropout sample's. `generator` (the registry's) is not used."""
     layers = decoder_layers(model)
     L, training = len(layers), model.training
     model.eval()
@@ -223,10 +221,9 @@ def micro_batch_problem(args, ranks, micro_batch):
 
 
 class LayerSearch:
-    """What prune.py asks of a layer search, its whole protocol; by itself, no search (--search
-    none): the cut keeps the top-k of S_0. The paper's (prune.GumbelTopKSearch), each baseline's
-    and a fork's subclass it, registered in prune.SEARCHES; built as cls(S0, args, L, T, protected,
-    device):
+    """What prune.py asks of a layer search, its whole protocol; by itself, no search (--search none:
+    the top-k of S_0). The paper's, each baseline's and a fork's subclass it, in prune.SEARCHES, built
+    as cls(S0, args, L, T, protected, device):
 
         in_loop, steps         whether it runs in the first T_M training steps, and T_M (or 0)
         tokens_read(args)      static: the training tokens it reads (--search-data's cache)
@@ -237,8 +234,7 @@ class LayerSearch:
         step()                 Alg. 1 l.5: the scores' update (average_grad(): over the ranks)
         kept()                 Alg. 1's return: the k layers to keep, were it to stop now
         cut(model)             the search is over (experts/search.py freezes the experts here)
-        state_dict(), load_state_dict(state), log_fields(), summary()   checkpoint, log, summary
-    """
+        state_dict(), load_state_dict(state), log_fields(), summary()   checkpoint, log, summary"""
     in_loop = False  # whether it runs in the first T_M training steps (Gumbel-TopK, l0)
 
     def __init__(self, S0, args, L, T, protected, device):
@@ -284,10 +280,9 @@ class LayerSearch:
 
 # -----------------------------------------------------------------------------
 # Eq. 2: the cut. Removal renumbers the layers, so every config setting keyed by a layer's index is
-# rewritten for the kept ones: lists with one value per layer are sliced (Gemma's `layer_types`),
-# `*_layers` index lists renumbered (Qwen-MoE's `mlp_only_layers`), and the families' index RULES
-# (a dense prefix, a MoE step, a period) turned into the kept layout (architectures/layouts.py,
-# imported only for a config that has one)
+# rewritten for the kept ones: per-layer lists sliced (Gemma's `layer_types`), `*_layers` index lists
+# renumbered (Qwen-MoE's `mlp_only_layers`), the families' index RULES (a dense prefix, a MoE step, a
+# period) turned into the kept layout (architectures/layouts.py, imported for a config with one)
 
 INDEX_RULES = ("decoder_sparse_step", "moe_layer_interval", "first_k_dense_replace",
                "num_dense_layers", "max_window_layers", "interleave_moe_layer_step",
@@ -417,9 +412,7 @@ def remove_layers(model, keep):
 
 
 # -----------------------------------------------------------------------------
-# Export: what the user gave, pruned
-
-# copied byte for byte from a local source: what the user gave, not a re-serialisation
+# Export: what the user gave, pruned; these copied byte for byte from a local source, not re-serialised
 SOURCE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json",
                 "merges.txt", "chat_template.jinja", "chat_template.json")
@@ -474,8 +467,8 @@ def export_pruned(source, state, kept, layers_before, tok, out_dir, info):
     """Write the pruned model as the user gave `source`: its model built on the meta device, cut to
     `kept`, handed `state` (the kept layers' full tensors) with assign=True, re-tied, cast back to
     the source's dtype (bf16 stays bf16), with its generation config, tokenizer files and chat
-    template, and pruning.json (`info` and the layer lists, original indices; info["kept_experts"]:
-    the experts each MoE layer keeps, removed by experts/cut.py)."""
+    template, and pruning.json (`info`, the layer lists: original indices; experts/cut.py slices
+    the experts of info["kept_experts"])."""
     from transformers import GenerationConfig, PretrainedConfig
     model, _ = load_model(source, "cpu", torch.float32, weights=False)
     dtype = saved_dtype(source)

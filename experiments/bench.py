@@ -3,7 +3,7 @@ Benchmarks with a goal each (issue: "performance targets go in benchmarks, never
 tests"). Every benchmark times two things side by side in one run, alternating, after a warm-up
 round, and prints one line `name: ratio (goal ...)` with the median of the per-round ratios.
 
-    python experiments/bench.py               # all nine on the packaged SmolLM2-135M (minutes)
+    python experiments/bench.py               # all ten (SmolLM2-135M, packaged; a small MoE) (minutes)
     python experiments/bench.py search init   # some, by name
     python experiments/bench.py search --repeats 15   # more paired rounds
 
@@ -19,6 +19,9 @@ round, and prints one line `name: ratio (goal ...)` with the median of the per-r
     targets   a training step with top-K + tail, sampled (N = 12) and hybrid (K = 8, N = 12; K = 16,
               N = 24) targets / the top-K step
     sampling  a sampled (N = 12) and the hybrid caches' build throughput / a top-K cache's
+    experts   an expert search step (prune.py --experts-keep 8: every MoE layer's 16 experts masked
+              in routing, the layers' gates at k = L) / a plain KD step of the same MoE model (a
+              Qwen3-MoE of 6 layers, 16 experts, top-2, hidden 256, random weights)
 
 Every step is prune.py's own: its losses (prune.plain_losses, scale.fused_loss.FusedLoss), its
 optimizer, its search and cut; nothing here reaches into a function's insides.
@@ -148,21 +151,24 @@ def bench_search(seq_len=128, batch=4, repeats=5):
     # adds what the method adds: hooks on every layer, one Gumbel-TopK sample (t = 1 of T_M = 2:
     # k' = 25 of 30, mid-search) and the score update. Gates are attached per step so the plain
     # step runs without hooks.
-    def search_step():
-        gates = LayerGates(model)
-        search.begin_step(1)
-        gates.mask = search.sample_mask()
-        _train_step(model, opt, b, vocab, device)
-        search.step()
-        gates.remove()
-
     def plain_step():
         _train_step(model, opt, b, vocab, device)
 
-    t_s, t_p, ratio = side_by_side(search_step, plain_step, repeats, device)
+    t_s, t_p, ratio = side_by_side(lambda: _search_step(model, search, opt, b, vocab, device),
+                                   plain_step, repeats, device)
     report("search", ratio, "<= 1.03", "x a plain KD step",
            f"{t_s * 1e3:.0f} vs {t_p * 1e3:.0f} ms; {L} layers, k'=25, "
            f"{batch}x{seq_len} tokens, {device}")
+
+
+def _search_step(model, search, opt, b, vocab, device):
+    """prune.py's search step t = 1: the layers' gates on, the draw, the step, the scores' update."""
+    gates = LayerGates(model)
+    search.begin_step(1)
+    gates.mask = search.sample_mask()
+    _train_step(model, opt, b, vocab, device)
+    search.step()
+    gates.remove()
 
 
 def bench_finetune(seq_len=128, batch=4, repeats=5):
@@ -412,9 +418,54 @@ def bench_sampling(seq_len=256, batch_size=4, shards=2, shard_seqs=4, samples=12
                f"{shards * shard_seqs}x{seq_len} tokens")
 
 
+def _moe_model(device):
+    """A small Qwen3-MoE with the demo's tokenizer: 6 layers, 16 experts of width 256, top-2."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    tok = load_model(default_model(), weights=False)[1]
+    config = Qwen3MoeConfig(vocab_size=vocab_size(tok), hidden_size=256, num_hidden_layers=6,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                            num_experts=16, num_experts_per_tok=2, moe_intermediate_size=256,
+                            norm_topk_prob=True, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(device)
+    model.config.use_cache = False
+    return model.train(), tok
+
+
+def bench_experts(seq_len=128, batch=4, repeats=5):
+    """10. The expert search (experts/search.py) adds a mask in routing, no pass over the experts."""
+    from experts.search import ExpertSearch
+    device = _device()
+    model, tok = _moe_model(device)
+    L, vocab = len(decoder_layers(model)), vocab_size(tok)
+    b = _kd_batch(model, tok, seq_len, batch)
+    opt = _optimizer(model, L)
+    args = prune.parse_args(["--model", "X", "--experts-keep", "8", "--expert-init", "random",
+                             "--keep", str(L), "--steps", "20"])
+    prune.resolve_args(args, 1)
+    search = ExpertSearch(prune.GumbelTopKSearch(torch.zeros(L), args, L, 20, [0, L - 1], device),
+                          model, args, vocab, lambda: [], lambda **e: None)
+    search.prepare(model, None, None, None)
+
+    # prune.py's search step with --experts-keep, t = 1 of T_M = 2 (k'^e = 12 of 16 experts): the
+    # layers' gates (every layer kept) and the experts' gates on, the draws, both score updates
+    def plain_step():
+        mask, hard = search.gates.mask, search.gates.hard
+        search.gates.mask = search.gates.hard = None  # every expert, as the unpruned model routes
+        _train_step(model, opt, b, vocab, device)
+        search.gates.mask, search.gates.hard = mask, hard
+
+    t_s, t_p, ratio = side_by_side(lambda: _search_step(model, search, opt, b, vocab, device),
+                                   plain_step, repeats, device)
+    report("experts", ratio, "<= 1.05", "x a plain KD step",
+           f"{t_s * 1e3:.0f} vs {t_p * 1e3:.0f} ms; {L} MoE layers, 16 experts, k'^e = 12, "
+           f"{batch}x{seq_len} tokens, {device}")
+
+
 BENCHES = {"search": bench_search, "finetune": bench_finetune, "offline": bench_offline,
            "caching": bench_caching, "init": bench_init, "speedup": bench_speedup,
-           "fused": bench_fused, "targets": bench_targets, "sampling": bench_sampling}
+           "fused": bench_fused, "targets": bench_targets, "sampling": bench_sampling,
+           "experts": bench_experts}
 
 
 def main():

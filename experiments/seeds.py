@@ -92,7 +92,18 @@ LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitr
                              ("hybrid16", "top-16 + 24 draws from the rest"), ("full", "full-vocabulary"))
              for loss in ("kd", "akd")},
           **PAPER_RUNS}
-PAIRS = [("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot"),
+# experiments/moe_compare.sh: routed experts of the small MoE (experiments/moe_model.py), 25% / 50% removed
+MOE_METHODS = {"x-e3": "E3 on experts (KL init, Gumbel-TopK search) + AKD", "x-kl": "expert KL one-shot + AKD",
+               "x-reap": "REAP one-shot + AKD", "x-reap-oneshot": "REAP one-shot, no training",
+               "x-frequency": "routing frequency one-shot + AKD", "x-random": "random experts + AKD"}
+MOE_RUNS = {f"{m}-{p}": f"{label}, {p}% of the experts" for p in (50, 25) for m, label in MOE_METHODS.items()}
+MOE_RUNS["l-kl-50"] = "layers instead: KL one-shot 6 -> 3 + AKD (about x-*-50's parameters)"
+METHODS += list(MOE_RUNS)
+LABELS.update(MOE_RUNS)
+PAIRS = [*[(f"{a}-{p}", f"{b}-{p}") for p in (50, 25) for a, b in (
+             ("x-e3", "x-kl"), ("x-e3", "x-reap"), ("x-kl", "x-reap"), ("x-reap", "x-frequency"),
+             ("x-reap", "x-random"), ("x-reap", "x-reap-oneshot"))], ("x-kl-50", "l-kl-50"),
+         ("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot"),
          ("e3-akd", "evo"), ("e3-calib-mix", "kl-calib-mix"),
          ("e3-mix", "kl-calib-mix"), ("e3-mix", "kl-oneshot"), ("evo-mix", "kl-calib-mix"),
          ("e3-search-mix", "e3-akd"), ("e3-mix", "e3-calib-mix"), ("evo-mix", "evo"),
@@ -141,7 +152,7 @@ def search_record(info):
                              one set and not the other, each way"""
     s0, kept, L = info.get("initial_scores"), info.get("kept_layers"), info.get("layers_before")
     flags = info.get("flags") or {}
-    if not (s0 and kept and L) or flags.get("init") == "given":
+    if not (s0 and kept and L) or flags.get("init") == "given" or len(kept) == L:  # no layer cut
         return None
     sT = info.get("final_scores") or s0
     pf, pl = flags.get("protect_first", 1), flags.get("protect_last", 1)
@@ -171,7 +182,8 @@ def record(run_dir, method, seed, out, *evals):
            "search_forward_tokens": info.get("search_forward_tokens", 0),
            "minutes": done[-1].get("minutes") if done else info.get("minutes"),
            "flags": info.get("flags"), "step": info.get("step"),
-           "search": search_record(info),  # and S at each search step (log.jsonl's)
+           "search": search_record(info), "experts": info.get("experts"),
+           "kept_experts": info.get("kept_experts"),  # and S at each search step (log.jsonl's)
            "trajectory": [e["scores"] for e in log if e["event"] == "search"],
            "python": platform.python_version(), "torch": version("torch"), "corpora": {}}
     for path in evals:
@@ -237,7 +249,7 @@ def table(results_dir=RESULTS):
                   "| method | seeds | " + " | ".join(corpora) + " |",
                   "|---|---|" + "---|" * len(corpora)]
         if stat == "ppl":
-            lines.append("| dense teacher (30 layers) | | " + " | ".join(
+            lines.append("| dense teacher | | " + " | ".join(
                 f"{any_run['corpora'][c]['teacher_ppl']:.1f}" if c in any_run["corpora"] else ""
                 for c in corpora) + " |")
         for m in methods:

@@ -191,3 +191,25 @@ class ExpertSearch:
         self.gen.set_state(e["gen"])
         self.t, self.done = e["t"], e["done"]
         self.gates.hard = self.kept_mask() if self.t or self.done else None
+
+
+def plan_line(args, model, L):
+    """prune.py --plan's line for --experts-keep (model: the student on the meta device): the routed
+    experts' parameters a MoE layer before and after, the parameters the export holds (every MoE layer
+    kept: --keep = L; else per MoE layer kept), and what does not change: a token's FLOPs (it visits
+    num_experts_per_tok experts of E or of N alike) and the training state (the removed experts stay,
+    unroutable, until the export). Returns (line, {summary fields})."""
+    moes = moe_layers(model)
+    E, n = experts_per_layer(moes), args.experts_keep
+    routed = [sum(p.numel() for m in (moe.experts, moe.router)
+                  for p in m.parameters(recurse=False) if p.shape[0] == E) for moe in moes]
+    removed = sum(routed) / len(routed) * (E - n) / E  # a MoE layer's, the mean over them
+    total = sum(p.numel() for p in model.parameters())
+    fields = {"experts": f"{E} -> {n}", "moe_layers": len(moes), "expert_params_removed_a_layer": round(removed)}
+    if args.keep == L:
+        fields["params_exported"] = round(total - removed * len(moes))
+    where = (f"{fields['params_exported'] / 1e6:,.1f}M params exported (of {total / 1e6:,.1f}M)"
+             if args.keep == L else f"{removed / 1e6:,.2f}M fewer params a MoE layer kept")
+    return (f"plan: experts {E} -> {n} in each of {len(moes)} MoE layers: {where}; a token's FLOPs and "
+            f"the training state unchanged (the removed experts unroutable until the export; the "
+            f"router's E rows become N)"), fields

@@ -619,8 +619,13 @@ def print_plan(args, resolve_args, check_args, search, schedule_line):
     check_args(args, model.config, L, ranks)
     cache_bytes = bytes_a_token * sequences_read(args.steps, args) * args.seq_len
     lines, summary = plan(args, model, L, ranks, cache_bytes=cache_bytes)
+    experts = []
+    if getattr(args, "experts_keep", None):  # the routed experts' cut (experts/search.py)
+        from experts.search import plan_line
+        line, fields = plan_line(args, model, L)
+        experts, summary = [line], {**summary, **fields}
     print("\n".join([schedule_line(args, ranks) + f" | cache {cache_bytes / GB:.3g} GB on disk",
-                     state_line(args, ranks, model, L),
+                     state_line(args, ranks, model, L), *experts,
                      *([f"plan: {search.plan(args, L)}"] if hasattr(search, "plan") else []),
                      *lines]))
     print(json.dumps(summary))

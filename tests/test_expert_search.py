@@ -181,9 +181,10 @@ def test_prune_py_searches_cuts_and_exports_experts_and_layers(arch, saved, corp
     exported_logits_match(model, out)
 
 
-def test_experts_alone_resume_across_the_cut(saved, corpus, tmp_path, monkeypatch):  # noqa: F811
+def test_experts_alone_resume_across_the_cut_and_plan(saved, corpus, tmp_path, monkeypatch, capsys):  # noqa: F811
     """--experts-keep without --keep keeps every layer; stopped at step 3 (mid-search, T_M = 4) and at
-    the cut, each resumed, == the uninterrupted run: the experts kept, the scores, the weights."""
+    the cut, each resumed, == the uninterrupted run: the experts kept, the scores, the weights. Its
+    --plan counts the export's parameters; a token's FLOPs lose the routers' rows alone."""
     import prune
     monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
     base = tiny_args(saved("qwen2_moe"), corpus, "OUT", "--experts-keep", "2")
@@ -197,6 +198,17 @@ def test_experts_alone_resume_across_the_cut(saved, corpus, tmp_path, monkeypatc
     exported_logits_match(model, whole)
     reference = json.loads((whole / "model" / "pruning.json").read_text())
     assert reference["kept_layers"] == list(range(6)) and reference["experts"] == "4 -> 2"
+    # --plan from the config alone: the parameters the export holds, a token's FLOPs unchanged
+    from scale.plan import flops_per_token
+    capsys.readouterr()
+    prune.main(args(tmp_path / "plan", "--plan", "1"))
+    planned = json.loads(capsys.readouterr().out.splitlines()[-1])
+    exported = AutoModelForCausalLM.from_pretrained(whole / "model")
+    assert planned["params_exported"] == sum(p.numel() for p in exported.parameters())
+    assert planned["params"] == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(
+        saved("qwen2_moe")).parameters()) > planned["params_exported"]
+    # the routed experts' FLOPs unchanged (2 of 4 or 2 of 2); the 3 routers' 6 x 4 x 32 -> 6 x 2 x 32
+    assert flops_per_token(model, 32) - flops_per_token(exported, 32) == 3 * 6 * 2 * 32
     for until in ("3", "cut"):
         out = tmp_path / until
         prune.main(args(out, "--until", until))
