@@ -60,9 +60,12 @@ CONFIGS = {
     "opt": ("opt", dict(hidden_size=32, num_attention_heads=4, ffn_dim=64,
                         word_embed_proj_dim=16)),  # final_layer_norm, then project_out
 }
-# ... and those tested for their logits alone (Falcon-H1's Mamba layers run slowly here)
+# ... and those tested for their logits alone (Falcon-H1's Mamba layers run slowly here), GLM-4-MoE
+# for its logits and its experts (tests/test_expert_search.py)
 LOGITS_ONLY = {"falcon_h1": ("falcon_h1", dict(ATTN, lm_head_multiplier=0.5, mamba_d_ssm=64, mamba_n_heads=8,
-                                               mamba_d_state=16, mamba_chunk_size=16))}  # multiplies
+                                               mamba_d_state=16, mamba_chunk_size=16)),  # multiplies
+               "glm4_moe": ("glm4_moe", dict(ATTN, **EXPERTS, n_routed_experts=4, n_shared_experts=1,
+                                             first_k_dense_replace=1, n_group=1, topk_group=1))}
 
 
 def tiny(arch, layers=L, seed=0, dtype=torch.float32):

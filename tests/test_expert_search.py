@@ -53,7 +53,10 @@ def kept_mask(sets, M):
     return torch.zeros(M, 4).scatter_(1, torch.tensor(sets[:M]), 1.0)
 
 
-@pytest.mark.parametrize("arch", MOE)
+FAMILIES = MOE + ["glm4_moe"]  # GLM-4-MoE: DeepSeek-V3's routing, its own classes
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_gates_route_as_the_experts_deleted_and_the_cut_exports_that_model(arch, tmp_path):
     """A hard mask on ExpertGates (in training mode: `mask`; in eval mode: `hard`) == the model whose
     layers were built without the masked experts; remove_experts == both, and its save_pretrained
@@ -154,7 +157,7 @@ def exported_logits_match(model, out):
 DEFAULT = ("qwen2_moe", "deepseek_v3", "gpt_oss", "llama4_text")
 
 
-@pytest.mark.parametrize("arch", [a if a in DEFAULT else pytest.param(a, marks=pytest.mark.slow) for a in MOE])
+@pytest.mark.parametrize("arch", [a if a in DEFAULT else pytest.param(a, marks=pytest.mark.slow) for a in FAMILIES])
 def test_prune_py_searches_cuts_and_exports_experts_and_layers(arch, saved, corpus, tmp_path, monkeypatch):  # noqa: F811
     """prune.py --keep 4 --experts-keep 2 on each MoE family: KL importance of the layers and of the
     experts, both Gumbel searches in the same steps (the draws: k'_t experts in every MoE row), the
