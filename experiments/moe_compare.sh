@@ -69,7 +69,8 @@ queue() {  # the runs, one a line: NAME SEED FLAGS (the trained ones first: the 
 }
 export -f one; export P R O D EVAL
 # the first run alone (it builds the teacher cache every run reads), then JOBS at once, a thread each
-queue | head -1 | xargs -L 1 bash -c 'one "$@"' _
-queue | tail -n +2 | OMP_NUM_THREADS=$([ "${JOBS:-1}" -gt 1 ] && echo 1 || echo "${OMP_NUM_THREADS:-}") \
+Q=$(queue)  # (not `queue | head -1`: under pipefail the writer's SIGPIPE would end the script)
+head -1 <<< "$Q" | xargs -L 1 bash -c 'one "$@"' _
+tail -n +2 <<< "$Q" | OMP_NUM_THREADS=$([ "${JOBS:-1}" -gt 1 ] && echo 1 || echo "${OMP_NUM_THREADS:-}") \
   xargs -P ${JOBS:-1} -L 1 bash -c 'one "$@"' _
 python experiments/seeds.py table $O
