@@ -437,8 +437,7 @@ def registered(registry, name):
 
 def initial_scores(args, model, tok, cache, L):
     """S_0 (Sec. 3.2): IMPORTANCE[--init] on the calibration sequences, by default the paper's
-    s_l = E_x KL(p_{-l} || p) (surgery.kl_importance); --layers: the given set's indicator, so that
-    its top-k is that set."""
+    s_l = E_x KL(p_{-l} || p) (surgery.kl_importance); --layers: the set's indicator (its top-k)."""
     if args.layers is not None:
         return torch.zeros(L).index_fill_(0, torch.tensor(args.layers), 1.0)
     batches = calibration_batches(args, tok, cache)
@@ -610,9 +609,11 @@ class Run:
         # every rank checks before rank 0 writes; a folder that is not this run is left untouched
         if run_file.exists():
             stored = {k: v for k, v in json.loads(run_file.read_text()).items() if k not in NOT_IDENTITY}
-            if stored != identity:
-                raise E3Error(f"'{self.out}' already holds a different run; pass another --out (or "
-                              f"the same arguments with --resume)")
+            show = lambda d, k: repr(d[k]) if k in d else "not in its run.json"  # noqa: E731 (a newer flag)
+            if differ := [f"{k}: {show(stored, k)} -> {show(identity, k)}" for k in sorted(stored | identity)
+                          if show(stored, k) != show(identity, k)]:
+                raise E3Error(f"'{self.out}' already holds a different run ({'; '.join(differ)}); pass "
+                              f"another --out (or the same arguments with --resume)")
             if not resume:
                 raise E3Error(f"'{self.out}' already holds this run; pass --resume to continue it "
                               f"or another --out")

@@ -28,8 +28,7 @@ from torch import nn
 
 from runtime import E3Error, load_model, mean_over_ranks
 
-# where the families keep their decoder layers: Llama-likes, multimodal wrappers (Gemma-3), OPT,
-# GPT-2/Falcon/Bloom, GPT-NeoX, MPT
+# the decoder layers: Llama-likes, multimodal (Gemma-3), OPT, GPT-2/Falcon/Bloom, GPT-NeoX, MPT
 LAYER_PATHS = ("model.layers", "model.language_model.layers", "model.decoder.layers",
                "transformer.h", "gpt_neox.layers", "transformer.blocks")
 

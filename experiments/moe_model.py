@@ -10,13 +10,15 @@ project's MoE test subject (prune.py --experts-keep, experts/), in transformers 
   data       the paper-corpus (experiments/domains.py: the plays but their held-out end, and ~10,000
              Wikipedia vital-article summaries), its training part only: the first 95% of the token
              stream (cache_teacher.split, the project's own). Windows of --seq-len at random offsets.
-  training   next-token cross-entropy + 0.001 x Switch's load-balancing loss of each MoE layer,
-             summed over the layers: every expert of every layer gets tokens, but the router is
-             free to prefer some. Both halves matter: transformers' own aux loss pools the layers
-             into one balance, and with it (0.01) an expert starved in one layer while busiest in
-             another, 11 of the 96 receiving no held-out token; a layer's own at 0.01 balanced the
-             training text's routing to uniform (normalised entropy 0.996-0.999). AdamW (0.9,
-             0.95), wd 0.1 on matrices, lr 1e-3, 5% warmup, cosine to 1e-4, clip 1.0, fp32.
+  training   next-token cross-entropy + 0.01 x Switch's load-balancing loss of each MoE layer
+             (--aux-coef), summed over the layers, as Mixtral and Qwen3-MoE are trained: a layer
+             shares the training mix's tokens about evenly among its experts, which then
+             specialise by text (on code, never trained on, one expert of a layer takes up to 4.6x
+             its even share and another 1/16 of it: routing.json). transformers' own aux loss
+             pools the layers into one balance instead, and lets an expert starve in one layer
+             while busiest in another; a weaker balance starves some too (experiments/RESULTS.md).
+             AdamW (0.9, 0.95), wd 0.1 on matrices, lr 1e-3, 5% warmup, cosine to 1e-4, clip 1.0,
+             fp32.
   measured   held-out perplexity on the paper-corpus's last 5% and on the two held-out domains
              (python-docs, torch-code: their first 16K tokens, as evaluate.py scores them); routing
              on the same text with experts.importance.frequency_importance: per MoE layer the
@@ -29,8 +31,7 @@ project's MoE test subject (prune.py --experts-keep, experts/), in transformers 
     OMP_NUM_THREADS=1 python experiments/moe_model.py            # runs/moe-small
 
 Deterministic given its flags and the thread count (routing.json records the weights' sha256).
-Built on a 2-core x86 CPU, one thread: 1,500 steps of 4 x 256 tokens in 51 minutes (the pooled
-balance at 0.01 and a layer's at 0.01, 2026-11-28; at 0.001, the default, not yet measured).
+Built on a 2-core x86 CPU, one thread: 1,500 steps of 4 x 256 tokens in 56 minutes (2026-11-28).
 """
 import argparse
 import hashlib
@@ -60,7 +61,7 @@ p.add_argument("--steps", type=int, default=1500, help="optimizer steps")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--seq-len", type=int, default=256, help="tokens a training window")
 p.add_argument("--batch-size", type=int, default=4, help="windows a step")
-p.add_argument("--aux-coef", type=float, default=0.001, help="load-balancing loss weight, a layer")
+p.add_argument("--aux-coef", type=float, default=0.01, help="load-balancing loss weight, a layer")
 p.add_argument("--data-dir", default="runs/domains",
                help="experiments/domains.py's files (written if absent)")
 args = p.parse_args()

@@ -102,7 +102,8 @@ METHODS += list(MOE_RUNS)
 LABELS.update(MOE_RUNS)
 PAIRS = [*[(f"{a}-{p}", f"{b}-{p}") for p in (50, 25) for a, b in (
              ("x-e3", "x-kl"), ("x-e3", "x-reap"), ("x-kl", "x-reap"), ("x-reap", "x-frequency"),
-             ("x-reap", "x-random"), ("x-reap", "x-reap-oneshot"))], ("x-kl-50", "l-kl-50"),
+             ("x-reap", "x-random"), ("x-kl", "x-random"), ("x-e3", "x-random"),
+             ("x-reap", "x-reap-oneshot"))], ("x-kl-50", "l-kl-50"),
          ("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot"),
          ("e3-akd", "evo"), ("e3-calib-mix", "kl-calib-mix"),
          ("e3-mix", "kl-calib-mix"), ("e3-mix", "kl-oneshot"), ("evo-mix", "kl-calib-mix"),

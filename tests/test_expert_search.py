@@ -291,3 +291,50 @@ def test_a_dense_model_and_uneven_groups_are_refused(saved, corpus, tmp_path, ca
         check_args(args, config)
     args.experts_keep = 4
     check_args(args, config)
+
+
+# the default run: one trained method alone (a queue of one run, none of the one-shot ones); -m slow:
+# every method, both fractions, the layers' arm
+MOE_METHODS = [pytest.param("x-random-50", id="one"), pytest.param("", id="all", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("methods", MOE_METHODS)
+def test_moe_compare_at_tiny_size(methods, tokenizer, tmp_path):
+    """experiments/moe_compare.sh whole at toy size (TINY=1: a random Qwen3-MoE of 4 layers and 8
+    experts in place of the trained one, 4 steps): the experts kept are 3E/4 and E/2 of the model's
+    own count, the layers' arm keeps half the layers, each run scored on the three held-out texts
+    and recorded, the one-shot runs untrained."""
+    import os
+    import subprocess
+    from transformers import Qwen3MoeConfig
+    model_dir = tmp_path / "moe"
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=True,
+                            max_position_embeddings=256, initializer_range=0.2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    env = {**os.environ, "TINY": "1", "OMP_NUM_THREADS": "1", "JOBS": "2", "SEEDS": "0", "MODEL": str(model_dir),
+           "RUNS": str(tmp_path / "runs"), "RESULTS": str(tmp_path / "results"),
+           "DOMAINS": str(tmp_path / "domains"), "METHODS": methods,
+           "E3_TEACHER_CACHE": str(tmp_path / "teacher")}
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(["bash", "experiments/moe_compare.sh"], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    expect = (methods or "x-e3-50 x-kl-50 x-reap-50 x-frequency-50 x-random-50 l-kl-50 x-e3-25 x-kl-25 "
+              "x-reap-25 x-frequency-25 x-random-25 x-reap-oneshot-50 x-reap-oneshot-25").split()
+    assert {p.stem for p in (tmp_path / "results").glob("*.json")} == {f"{m}-s0" for m in expect}
+    assert {p.name for p in (tmp_path / "runs" / "claims").iterdir()} == {f"{m}-s0" for m in expect}
+    for m in expect:
+        r = json.loads((tmp_path / "results" / f"{m}-s0.json").read_text())
+        assert set(r["corpora"]) == {"shakespeare", "python-docs", "torch-code"}
+        assert r["flags"]["targets"] == "hybrid" and r["step"] == (0 if "oneshot" in m else 4)
+        if m.startswith("l-"):
+            assert len(r["kept_layers"]) == 2 and not r.get("experts")
+        else:
+            n = 6 if m.endswith("25") else 4
+            assert r["experts"] == f"8 -> {n}" and len(r["kept_layers"]) == 4
+            assert all(len(kept) == n for kept in r["kept_experts"].values())
+    assert ("random experts + AKD, 50%" if methods else "REAP one-shot, no training") in done.stdout

@@ -700,8 +700,12 @@ def test_a_run_resumes_whatever_its_micro_batch_checkpointing_or_compile(tmp_pat
     run_json.write_text(json.dumps({**older, "micro_batch": 2, "activation_checkpointing": False}))
     other = prune.parse_args(base[:-1] + ["4", "--activation-checkpointing", "selective", "--compile"])
     prune.Run(tmp_path / "r", prune.run_identity(other), 0, True)  # resumes: no error
-    with pytest.raises(E3Error, match="different run"):
+    # another run: the message names what differs, also a flag the folder's prune.py did not have
+    with pytest.raises(E3Error, match=r"different run \(lr: 0.0001 -> 0.001\)"):
         prune.Run(tmp_path / "r", prune.run_identity(prune.parse_args(base + ["--lr", "1e-3"])), 0, True)
+    run_json.write_text(json.dumps({k: v for k, v in older.items() if k != "expert_init"}))
+    with pytest.raises(E3Error, match=r"different run \(expert_init: not in its run.json -> 'kl'\)"):
+        prune.Run(tmp_path / "r", prune.run_identity(prune.parse_args(base)), 0, True)
 
 
 def test_a_tokenizer_with_more_ids_than_the_embedding_is_refused_before_any_work(tmp_path, tokenizer):
