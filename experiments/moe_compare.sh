@@ -33,8 +33,8 @@ MODEL=${MODEL:-runs/moe-small}
 mkdir -p $R
 [ -f $D/search-shakespeare.jsonl ] || python experiments/domains.py $D > /dev/null
 [ -f $D/paper-corpus.jsonl ] || python experiments/domains.py $D paper-corpus > /dev/null
-read E L <<< "$(python -c "import json, sys; c = json.load(open(sys.argv[1]))
-print(c.get('num_experts') or c.get('num_local_experts') or c['n_routed_experts'], c['num_hidden_layers'])" $MODEL/config.json)"
+read E L <<< "$(python -c "import sys; from transformers import AutoConfig; from experts.search import expert_count
+c = AutoConfig.from_pretrained(sys.argv[1]); print(expert_count(c)[1], c.get_text_config().num_hidden_layers)" $MODEL)"
 P="--model $MODEL --data $D/paper-corpus.jsonl --seq-len 128 --batch-size 8 --micro-batch 8 --tokens 81920 --warmup 4 --n-calib 16 --eval-every 1000 --ckpt-every 20 --targets hybrid"
 EVAL=${EVAL_TOKENS:-16384}
 if [ -n "${TINY:-}" ]; then P="$P --steps 4 --n-calib 2"; EVAL=256; fi
