@@ -4,7 +4,8 @@ kept in the repository (experiments/results/), so that the series survives the m
 and goes on, later and elsewhere, where it stopped; and the tables made from them.
 
   python experiments/seeds.py record RUN_DIR METHOD SEED OUT.json EVAL.json [EVAL.json ...]
-  python experiments/seeds.py table [RESULTS_DIR]        # markdown: mean +- sd, min-max, paired
+  python experiments/seeds.py table [RESULTS_DIR]        # markdown: mean +- sd, min-max, paired;
+                                                         # the layers removed, the experts kept
   python experiments/seeds.py targets [RESULTS_DIR] [-4x]  # the teacher targets' table (compare.sh
                                                            # targets; -4x: its X4=1 runs)
   python experiments/seeds.py search [RESULTS_DIR]       # how far each search moved S, and the
@@ -278,15 +279,40 @@ def table(results_dir=RESULTS):
         lines += ["Paired by seed (held-out ppl of the first minus the second; negative: the "
                   "first is better):", "", "| pair | seeds | " + " | ".join(corpora) + " |",
                   "|---|---|" + "---|" * len(corpora), *paired, ""]
+    removed = {m: {s: ranges([i for i in range(r["layers_before"] or 0) if i not in (r["kept_layers"] or [])])
+                   for s, r in by[m].items()} for m in methods}
     lines += ["Layers removed, by seed:", ""]
-    for m in methods:
+    for m in (m for m in methods if any(removed[m].values())):  # an expert run removes none
         sets = {}
         for s in sorted(by[m]):
-            kept, L = by[m][s]["kept_layers"] or [], by[m][s]["layers_before"] or 0
-            sets.setdefault(ranges([i for i in range(L) if i not in kept]), []).append(str(s))
+            sets.setdefault(removed[m][s], []).append(str(s))
         lines.append(f"- {LABELS.get(m, m)}: " + "; ".join(
-            f"{removed} (seed {', '.join(seeds)})" for removed, seeds in sets.items()))
-    return "\n".join(lines)
+            f"{r} (seed {', '.join(seeds)})" for r, seeds in sets.items()))
+    return "\n".join(lines + experts_kept(by, methods))
+
+
+def expert_set(run):
+    """A run's kept experts as a set of (MoE layer, expert) pairs (None: no expert cut)."""
+    kept = run.get("kept_experts")
+    return kept and {(int(l), j) for l, js in kept.items() for j in js}
+
+
+def experts_kept(by, methods):
+    """moe_compare.sh's runs: each method's kept experts against the expert KL one-shot's of the
+    same fraction and seed (x-METHOD-P against x-kl-P), and across its own seeds: Jaccard |A & B| /
+    |A | B| over the (layer, expert) pairs kept."""
+    lines = []
+    for m in (m for m in methods if all(expert_set(r) for r in by[m].values())):
+        runs = [by[m][s] for s in sorted(by[m])]
+        base = by.get("x-kl-" + m.rsplit("-", 1)[-1], {})
+        with_kl = [jaccard(expert_set(r), expert_set(base[r["seed"]])) for r in runs if r["seed"] in base]
+        across = mean_pairwise([expert_set(r) for r in runs])
+        lines.append(f"- {LABELS.get(m, m)}: with expert KL's set " + (fmt(with_kl, ".2f") if with_kl else "-")
+                     + ", across seeds " + ("-" if math.isnan(across) else f"{across:.2f}")
+                     + f" (seeds {', '.join(str(r['seed']) for r in runs)})")
+    return ["", "Experts kept (Jaccard |A & B| / |A | B| over the (layer, expert) pairs kept): with the "
+            "expert KL one-shot's set of the same fraction and seed, mean ± sd (min-max) over the "
+            "seeds; across seeds, the mean over pairs of seeds:", "", *lines] if lines else []
 
 
 TARGETS = ["full-kd", "topk-kd", "topk-akd", "tail-kd", "tail-akd", "sampled8-kd", "sampled12-kd",
