@@ -121,6 +121,14 @@ def kl_expert_importance(model, batches, vocab, generator=None, chunk=1024):
     return sums / max(count, 1), [m.index for m in moes]
 
 
+def kl_forwards(model):
+    """The forwards kl_expert_importance runs a calibration batch, each as the decoder layers it
+    computes: L (the dense pass), then L - l for each of the E experts of each MoE layer l. Their sum,
+    L + E sum_l (L - l), is the pass's cost in layer calls (prune.py --plan states it)."""
+    L, moes = len(decoder_layers(model)), moe_layers(model)
+    return [L] + [L - moe.index for moe in moes for _ in range(experts_per_layer(moes))]
+
+
 @contextmanager
 def prefix_reused(layers, rec, start):
     """Inside the block the layers before `start` return what `rec` recorded: nothing before them

@@ -622,8 +622,8 @@ def print_plan(args, resolve_args, check_args, search, schedule_line):
     experts = []
     if getattr(args, "experts_keep", None):  # the routed experts' cut (experts/search.py)
         from experts.search import plan_line
-        line, fields = plan_line(args, model, L)
-        experts, summary = [line], {**summary, **fields}
+        experts, fields = plan_line(args, model, L, summary)
+        summary = {**summary, **fields}
     print("\n".join([schedule_line(args, ranks) + f" | cache {cache_bytes / GB:.3g} GB on disk",
                      state_line(args, ranks, model, L), *experts,
                      *([f"plan: {search.plan(args, L)}"] if hasattr(search, "plan") else []),

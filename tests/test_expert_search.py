@@ -225,6 +225,40 @@ def test_experts_alone_resume_across_the_cut_and_plan(saved, corpus, tmp_path, m
         assert events(out, "expert_search")[-1] == events(whole, "expert_search")[-1]
 
 
+def test_plan_counts_what_the_expert_kl_importance_runs(saved, corpus, tmp_path, capsys):  # noqa: F811
+    """--plan's cost of --expert-init kl against the pass itself, on qwen2_moe (6 layers, MoE at 1, 3
+    and 5 with a shared expert, dense MLPs between; E = 4), two calibration sequences of 32 tokens:
+    the decoder layers that really compute (their attention's calls: a replayed prefix makes none),
+    the head's calls, the FLOPs those calls make, the bytes FSDP gathers for the layers that ran."""
+    import prune
+    from experts.importance import kl_expert_importance
+    from scale.plan import flops_per_token
+    path = saved("qwen2_moe")
+    prune.main(tiny_args(path, corpus, tmp_path / "plan", "--experts-keep", "2", "--n-calib", "2",
+                         "--plan", "2"))
+    out = capsys.readouterr().out.splitlines()
+    planned = json.loads(out[-1])
+    assert any(line.startswith("plan: --expert-init kl scores each expert exactly: 13 forwards") for line in out)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    ran = []  # the decoder layers' indices, in the order they computed
+    for i, layer in enumerate(decoder_layers(model)):
+        layer.self_attn.register_forward_hook(lambda *a, i=i: ran.append(i))
+    heads = []
+    model.get_output_embeddings().register_forward_hook(lambda *a: heads.append(1))
+    seqs = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    kl_expert_importance(model, [(seqs[i:i + 1], None) for i in range(2)], VOCAB)
+    # a sequence: the dense pass (6 layers), then 4 experts x (6 - l) for l = 1, 3, 5: 6 + 4 x 9 = 42
+    assert len(ran) == 2 * 42 == 2 * planned["expert_importance_layer_calls"]
+    assert len(heads) == 2 * 13 == 2 * planned["expert_importance_forwards"]
+    f = [flops_per_token(model, 32, n, train=False) for n in (1, 2)]  # linear in the layers: a + b n
+    per_layer, head = f[1] - f[0], 2 * f[0] - f[1]
+    assert planned["expert_importance_flops"] == pytest.approx(32 * (len(ran) * per_layer + len(heads) * head))
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]
+    assert len(set(sizes)) > 1  # MoE and dense layers: a mean layer would not do
+    # 2 ranks: each gathers the other's half of the bf16 weights of every layer that ran
+    assert planned["expert_importance_gathered_bytes"] == round(sum(sizes[i] for i in ran) * 2 / 2)
+
+
 @pytest.mark.parametrize("extra, words", [
     (["--experts-keep", "1"], ["--experts-keep must be between 2", "got 1"]),
     (["--experts-keep", "4"], ["--experts-keep must be between 2", "and 3", "got 4"]),
