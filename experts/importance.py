@@ -1,7 +1,7 @@
 """
 Expert importance: a score per (MoE layer, expert), larger = more important, from one pass over the
-calibration set (KL: one pass and E partial forwards per MoE layer). The registry, beside the
-layers' (prune.IMPORTANCE), one signature for all:
+calibration set (KL: one pass and E partial forwards per MoE layer, shared out among the ranks).
+The registry, beside the layers' (prune.IMPORTANCE), one signature for all:
 
   EXPERT_IMPORTANCE[name](model, batches, vocab, generator=None) -> (scores, layers)
 
@@ -26,7 +26,10 @@ count. In eval mode: a router's jitter noise (Mixtral's, when training) never mo
               nothing before layer l reads its router), E partial forwards per MoE layer, about
               E sum_l (L - l) layer calls a batch over the MoE layers l, against E M L without the
               reuse; the KL in fp32 over the tokenizer's ids, summed in float64 (surgery._kl_sum,
-              the layers' own).
+              the layers' own). On R ranks (FSDP) the experts are shared out: rank r masks r, r + R,
+              ... in the same forwards (the ranks gather the same layers in step; only the router's
+              mask differs), ceil(E / R) partial forwards a MoE layer and rank, the scores gathered
+              after (kl_forwards: what a rank runs).
 
 score_experts(name, model, batches, vocab, log) runs one, writes it to the run's log as the layers'
 importance is written (event "expert_importance": the method, the MoE layers, the scores a row a
@@ -37,7 +40,7 @@ from contextlib import contextmanager
 import torch
 
 from experts.routing import RoutingReader, expert_unroutable, experts_per_layer, moe_layers
-from runtime import E3Error, print0
+from runtime import E3Error, all_gather, print0, rank_and_world
 from surgery import LayerRecorder, _kl_sum, decoder_layers
 
 
@@ -97,9 +100,14 @@ def frequency_importance(model, batches, vocab=None, generator=None):
 @torch.no_grad()
 def kl_expert_importance(model, batches, vocab, generator=None, chunk=1024):
     """s_{l,j} = mean over the valid tokens of KL(p_{-(l,j)} || p), exact: (scores [M, E] float64,
-    the MoE layers). Deterministic: `generator` (the registry's signature) is not used."""
+    the MoE layers). Deterministic: `generator` (the registry's signature) is not used. Every rank
+    reads every batch; rank r scores experts r, r + R, ... (a rank past E in the last round masks
+    expert j mod E again, unscored: FSDP's gathers need every rank in every forward, and every rank
+    then runs the same code, errors included)."""
     layers, moes = decoder_layers(model), moe_layers(model)
     E, training = experts_per_layer(moes), model.training
+    rank, world = rank_and_world()
+    rounds = -(-E // world)  # ceil(E / R) forwards a MoE layer on every rank
     sums, count = torch.zeros(len(moes), E, dtype=torch.float64), 0
     model.eval()
     try:
@@ -111,22 +119,25 @@ def kl_expert_importance(model, batches, vocab, generator=None, chunk=1024):
                 logp = torch.log_softmax(logits_p.flatten(0, -2)[:, :vocab].float(), dim=-1)
             for m, moe in enumerate(moes):
                 with prefix_reused(layers, rec, moe.index):
-                    for j in range(E):
-                        with expert_unroutable(moe, j):
+                    for j in range(rank, rounds * world, world):
+                        with expert_unroutable(moe, j % E):
                             logits_q = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-                        sums[m, j] += _kl_sum(logits_q, logits_p, valid, vocab, chunk, logp)
+                        if j < E:
+                            sums[m, j] += _kl_sum(logits_q, logits_p, valid, vocab, chunk, logp)
             count += int(valid.sum())
     finally:
         model.train(training)
+    sums = torch.stack(all_gather(sums)).sum(0)  # each expert's sum is one rank's, 0 on the others
     return sums / max(count, 1), [m.index for m in moes]
 
 
-def kl_forwards(model):
-    """The forwards kl_expert_importance runs a calibration batch, each as the decoder layers it
-    computes: L (the dense pass), then L - l for each of the E experts of each MoE layer l. Their sum,
-    L + E sum_l (L - l), is the pass's cost in layer calls (prune.py --plan states it)."""
+def kl_forwards(model, ranks=1):
+    """The forwards kl_expert_importance runs a calibration batch on each of `ranks` ranks, each as
+    the decoder layers it computes: L (the dense pass), then L - l for each of the ceil(E / R) rounds
+    of each MoE layer l. Their sum, L + ceil(E / R) sum_l (L - l), is the pass's cost in layer calls
+    (prune.py --plan states it)."""
     L, moes = len(decoder_layers(model)), moe_layers(model)
-    return [L] + [L - moe.index for moe in moes for _ in range(experts_per_layer(moes))]
+    return [L] + [L - moe.index for moe in moes for _ in range(-(-experts_per_layer(moes) // ranks))]
 
 
 @contextmanager

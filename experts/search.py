@@ -23,15 +23,12 @@ group, N / G of each group's E / G, and the pruned config keeps n_group.
 
 --search none: the top-N of S^e_0 (one-shot, as REAP prunes); gumbel: the above. The others refuse.
 """
-from collections import Counter
-
 import torch
 
-from experts.importance import kl_forwards, score_experts
+from experts.importance import score_experts
 from experts.routing import ExpertGates, experts_per_layer, moe_layers
 from runtime import E3Error, mean_over_ranks, print0
 from sampler import gumbel_noise, gumbel_topk, k_schedule, score_lr_schedule, tau_schedule
-from surgery import decoder_layers
 
 COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # the families' expert counts
 
@@ -196,16 +193,13 @@ class ExpertSearch:
         self.gates.hard = self.kept_mask() if self.t or self.done else None
 
 
-def plan_line(args, model, L, summary):
-    """prune.py --plan's lines for --experts-keep (model: the student on the meta device; summary:
-    scale.plan.plan()'s): the routed experts' parameters a MoE layer before and after, the parameters
-    the export holds (every MoE layer kept: --keep = L; else per MoE layer kept), and what does not
-    change: a token's FLOPs (it visits num_experts_per_tok experts of E or of N alike) and the
-    training state (the removed experts stay, unroutable, until the export). With --expert-init kl,
-    the importance pass's cost: its forwards (importance.kl_forwards) over the --n-calib sequences,
-    every rank running all of them (prune.calibration_batches), at the teacher cache's MFU (a
-    forward too): hours = FLOPs / (cache_mfu x one card's peak), a floor: under FSDP each forward
-    also gathers the layers it runs (the bytes stated). Returns (lines, {summary fields})."""
+def plan_line(args, model, L):
+    """prune.py --plan's line for --experts-keep (model: the student on the meta device): the routed
+    experts' parameters a MoE layer before and after, the parameters the export holds (every MoE layer
+    kept: --keep = L; else per MoE layer kept), and what does not change: a token's FLOPs (it visits
+    num_experts_per_tok experts of E or of N alike) and the training state (the removed experts stay,
+    unroutable, until the export). Returns (line, {summary fields}); the cost of --expert-init kl is
+    scale.plan.expert_kl_cost's."""
     moes = moe_layers(model)
     E, n = experts_per_layer(moes), args.experts_keep
     routed = [sum(p.numel() for m in (moe.experts, moe.router)
@@ -217,34 +211,6 @@ def plan_line(args, model, L, summary):
         fields["params_exported"] = round(total - removed * len(moes))
     where = (f"{fields['params_exported'] / 1e6:,.1f}M params exported (of {total / 1e6:,.1f}M)"
              if args.keep == L else f"{removed / 1e6:,.2f}M fewer params a MoE layer kept")
-    lines = [f"plan: experts {E} -> {n} in each of {len(moes)} MoE layers: {where}; a token's FLOPs and "
-             f"the training state unchanged (the removed experts unroutable until the export; the "
-             f"router's E rows become N)"]
-    if args.expert_init == "kl":
-        lines.append(kl_cost_line(args, model, fields, summary))
-    return lines, fields
-
-
-def kl_cost_line(args, model, fields, summary):
-    """The exact expert KL importance's cost (plan_line), its summary fields added to `fields`."""
-    from scale.plan import flops_per_token
-    forwards = Counter(kl_forwards(model))  # {layers a forward computes: how many such forwards}
-    calls, L = sum(n * c for n, c in forwards.items()), len(decoder_layers(model))
-    flops = args.n_calib * args.seq_len * sum(
-        c * flops_per_token(model, args.seq_len, n, train=False) for n, c in forwards.items())
-    gpu, rate, peak = summary["gpu"], summary["cache_mfu"], summary["peak_flops"]
-    hours = {k: rate[k] and peak[k] and round(flops / (rate[k] * peak[k]) / 3600, 3) for k in rate}
-    # under FSDP each forward gathers the bf16 weights of the layers it runs (the last n), (R - 1) / R
-    sizes, ranks = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)], args.plan
-    gathered = args.n_calib * sum(c * sum(sizes[L - n:]) for n, c in forwards.items()) * 2 * (1 - 1 / ranks)
-    fields.update(expert_importance_forwards=sum(forwards.values()), expert_importance_layer_calls=calls,
-                  expert_importance_flops=flops, expert_importance_hours=hours,
-                  expert_importance_gathered_bytes=round(gathered))
-    when = (f": at least {hours[gpu]:.2f} h (its FLOPs on one {gpu} at the cache's {rate[gpu]:.0%} "
-            f"MFU), beside {summary['hours'][gpu]:.2f} h for the run's training and cache"
-            if hours.get(gpu) else "")
-    fsdp = f", and FSDP gathers {gathered / 1e12:,.1f} TB a rank for it" if ranks > 1 else ""
-    return (f"plan: --expert-init kl scores each expert exactly: {sum(forwards.values()):,} forwards a "
-            f"calibration sequence (the dense one, then E from each MoE layer on), {calls:,} layer calls "
-            f"= {calls / L:,.0f} forwards' worth, {flops:.3g} FLOP over {args.n_calib} x {args.seq_len} "
-            f"tokens, run whole on every rank{when}{fsdp} (reap, frequency: one forward)")
+    return (f"plan: experts {E} -> {n} in each of {len(moes)} MoE layers: {where}; a token's FLOPs and "
+            f"the training state unchanged (the removed experts unroutable until the export; the "
+            f"router's E rows become N)"), fields

@@ -110,6 +110,7 @@ ratio, else by RECOMPUTE (full: 8 instead of 6 FLOPs a parameter). A run compile
 import functools
 import json
 import math
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -606,6 +607,37 @@ def cache_meta(path):
                            targets=meta.get("targets", "topk"))
 
 
+def expert_kl_cost(args, model, summary):
+    """--experts-keep with --expert-init kl: the exact expert KL importance's cost on a rank
+    (experts.importance.kl_forwards: the dense pass, then ceil(E / R) partial forwards from each MoE
+    layer, the experts shared out among the ranks) over the --n-calib sequences every rank reads
+    (prune.calibration_batches): its FLOPs; hours = FLOPs / (cache_mfu x one card's peak), a floor
+    (a forward, as the cache's); and the bf16 bytes FSDP gathers a rank for it: (R - 1) / R of every
+    decoder layer and of the LM head's rows each forward (FSDP2 gathers in a layer's hooks, which run
+    for the replayed layers too: their forward is replaced, not their call). summary: plan()'s.
+    Returns (line, {summary fields})."""
+    from experts.importance import kl_forwards
+    forwards = Counter(kl_forwards(model, args.plan))  # {layers a forward runs (the last n): how many}
+    L, ranks = len(decoder_layers(model)), args.plan
+    calls = sum(n * c for n, c in forwards.items())
+    flops = args.n_calib * args.seq_len * sum(
+        c * flops_per_token(model, args.seq_len, n, train=False) for n, c in forwards.items())
+    weights = sum(p.numel() for p in decoder_layers(model).parameters()) + head_params(model)
+    gathered = args.n_calib * sum(forwards.values()) * weights * 2 * (1 - 1 / ranks)
+    gpu, rate, peak = summary["gpu"], summary["cache_mfu"], summary["peak_flops"]
+    hours = {k: rate[k] and peak[k] and round(flops / (rate[k] * peak[k]) / 3600, 3) for k in rate}
+    when = (f": at least {hours[gpu]:.2f} h (its FLOPs on one {gpu} at the cache's {rate[gpu]:.0%} "
+            f"MFU), beside {summary['hours'][gpu]:.2f} h for the run's training and cache" if hours.get(gpu) else "")
+    fsdp = f", and FSDP gathers {gathered / 1e12:,.1f} TB a rank for it" if ranks > 1 else ""
+    return (f"plan: --expert-init kl scores each expert exactly: {sum(forwards.values()):,} forwards a "
+            f"calibration sequence on a rank (the dense one, then ceil(E / ranks) from each MoE layer "
+            f"on), {calls:,} layer calls = {calls / L:,.0f} forwards' worth, {flops:.3g} FLOP over "
+            f"{args.n_calib} x {args.seq_len} tokens{when}{fsdp} (reap, frequency: one forward)"), {
+        "expert_importance_forwards": sum(forwards.values()), "expert_importance_layer_calls": calls,
+        "expert_importance_flops": flops, "expert_importance_hours": hours,
+        "expert_importance_gathered_bytes": round(gathered)}
+
+
 def print_plan(args, resolve_args, check_args, search, schedule_line):
     """prune.py --plan RANKS: args resolved and checked as a run's, for RANKS ranks, a given
     --cache's meta.json and the model on the meta device (fsdp.meta_model), by the caller's own
@@ -622,8 +654,11 @@ def print_plan(args, resolve_args, check_args, search, schedule_line):
     experts = []
     if getattr(args, "experts_keep", None):  # the routed experts' cut (experts/search.py)
         from experts.search import plan_line
-        experts, fields = plan_line(args, model, L, summary)
-        summary = {**summary, **fields}
+        line, fields = plan_line(args, model, L)
+        experts, summary = [line], {**summary, **fields}
+        if args.expert_init == "kl":
+            line, fields = expert_kl_cost(args, model, summary)
+            experts, summary = [*experts, line], {**summary, **fields}
     print("\n".join([schedule_line(args, ranks) + f" | cache {cache_bytes / GB:.3g} GB on disk",
                      state_line(args, ranks, model, L), *experts,
                      *([f"plan: {search.plan(args, L)}"] if hasattr(search, "plan") else []),

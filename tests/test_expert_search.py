@@ -225,38 +225,104 @@ def test_experts_alone_resume_across_the_cut_and_plan(saved, corpus, tmp_path, m
         assert events(out, "expert_search")[-1] == events(whole, "expert_search")[-1]
 
 
-def test_plan_counts_what_the_expert_kl_importance_runs(saved, corpus, tmp_path, capsys):  # noqa: F811
-    """--plan's cost of --expert-init kl against the pass itself, on qwen2_moe (6 layers, MoE at 1, 3
-    and 5 with a shared expert, dense MLPs between; E = 4), two calibration sequences of 32 tokens:
-    the decoder layers that really compute (their attention's calls: a replayed prefix makes none),
-    the head's calls, the FLOPs those calls make, the bytes FSDP gathers for the layers that ran."""
+def planned_kl(path, corpus, tmp_path, capsys, ranks):  # noqa: F811
+    """prune.py --plan RANKS --experts-keep 2 (--expert-init kl) over 2 calibration sequences of 32
+    tokens: its JSON line, and its line on the expert KL importance."""
     import prune
-    from experts.importance import kl_expert_importance
-    from scale.plan import flops_per_token
-    path = saved("qwen2_moe")
-    prune.main(tiny_args(path, corpus, tmp_path / "plan", "--experts-keep", "2", "--n-calib", "2",
-                         "--plan", "2"))
+    prune.main(tiny_args(path, corpus, tmp_path / f"plan{ranks}", "--experts-keep", "2", "--n-calib", "2",
+                         "--plan", str(ranks)))
     out = capsys.readouterr().out.splitlines()
-    planned = json.loads(out[-1])
-    assert any(line.startswith("plan: --expert-init kl scores each expert exactly: 13 forwards") for line in out)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    ran = []  # the decoder layers' indices, in the order they computed
+    return json.loads(out[-1]), next(line for line in out if line.startswith("plan: --expert-init kl"))
+
+
+def counted_kl(model):
+    """kl_expert_importance on 2 sequences of 32 tokens: (scores, the decoder layers whose attention
+    really ran, in order (a replayed prefix runs none), the head's calls)."""
+    from experts.importance import kl_expert_importance
+    ran, heads = [], []
     for i, layer in enumerate(decoder_layers(model)):
         layer.self_attn.register_forward_hook(lambda *a, i=i: ran.append(i))
-    heads = []
     model.get_output_embeddings().register_forward_hook(lambda *a: heads.append(1))
     seqs = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
-    kl_expert_importance(model, [(seqs[i:i + 1], None) for i in range(2)], VOCAB)
+    scores, _ = kl_expert_importance(model, [(seqs[i:i + 1], None) for i in range(2)], VOCAB)
+    return scores, ran, len(heads)
+
+
+def test_plan_counts_what_the_expert_kl_importance_runs(saved, corpus, tmp_path, capsys):  # noqa: F811
+    """--plan 1's cost of --expert-init kl against the pass itself, on qwen2_moe (6 layers, MoE at 1,
+    3 and 5 with a shared expert, dense MLPs between; E = 4): the layer calls, the head's calls, the
+    FLOPs those calls make."""
+    from scale.plan import flops_per_token
+    planned, line = planned_kl(saved("qwen2_moe"), corpus, tmp_path, capsys, 1)
+    assert line.startswith("plan: --expert-init kl scores each expert exactly: 13 forwards")
+    model = AutoModelForCausalLM.from_pretrained(saved("qwen2_moe"))
+    _, ran, heads = counted_kl(model)
     # a sequence: the dense pass (6 layers), then 4 experts x (6 - l) for l = 1, 3, 5: 6 + 4 x 9 = 42
     assert len(ran) == 2 * 42 == 2 * planned["expert_importance_layer_calls"]
-    assert len(heads) == 2 * 13 == 2 * planned["expert_importance_forwards"]
+    assert heads == 2 * 13 == 2 * planned["expert_importance_forwards"]
     f = [flops_per_token(model, 32, n, train=False) for n in (1, 2)]  # linear in the layers: a + b n
     per_layer, head = f[1] - f[0], 2 * f[0] - f[1]
-    assert planned["expert_importance_flops"] == pytest.approx(32 * (len(ran) * per_layer + len(heads) * head))
-    sizes = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]
-    assert len(set(sizes)) > 1  # MoE and dense layers: a mean layer would not do
-    # 2 ranks: each gathers the other's half of the bf16 weights of every layer that ran
-    assert planned["expert_importance_gathered_bytes"] == round(sum(sizes[i] for i in ran) * 2 / 2)
+    assert planned["expert_importance_flops"] == pytest.approx(32 * (len(ran) * per_layer + heads * head))
+
+
+KL_UNDER_FSDP = r"""
+import json, sys
+sys.path.insert(0, sys.argv[2])
+sys.path.insert(0, sys.argv[2] + "/tests")
+import runtime, scale.fsdp
+from surgery import decoder_layers
+from test_expert_search import counted_kl
+import torch
+rank, world, device = runtime.init_distributed()
+model = scale.fsdp.parallelize(runtime.load_model(sys.argv[1], weights=rank == 0)[0], device)
+received, gather = [0], torch.distributed.all_gather_into_tensor  # every gather, FSDP's and the head's
+def counted(out, inp, *a, **k):
+    if out.is_floating_point():  # weights (fp32 on CPU ranks); the ids' gathers are int64
+        received[0] += out.numel() * out.element_size() * (world - 1) // world
+    return gather(out, inp, *a, **k)
+torch.distributed.all_gather_into_tensor = counted
+scores, ran, heads = counted_kl(model)
+json.dump({"scores": scores.tolist(), "ran": ran, "heads": heads, "received": received[0]},
+          open(f"{sys.argv[3]}/rank{rank}.json", "w"))
+"""
+
+
+def test_expert_kl_importance_shares_the_experts_among_fsdp_ranks(saved, corpus, tmp_path, capsys):  # noqa: F811
+    """3 gloo ranks under FSDP2, E = 4: each rank masks its own experts (rank 2 has one, then runs
+    the dense model in the second round), the scores those of one process; each rank's layer calls
+    and forwards (6 + 2 x 9 and 1 + 2 x 3 a sequence) what --plan 3 states, and the weight bytes it
+    received in all-gathers (fp32 here) twice the plan's bf16 figure, within the shards' padding."""
+    import os
+    import subprocess
+    import sys
+    from conftest import free_port, torchrun_failure
+    path = saved("qwen2_moe")
+    one, _, _ = counted_kl(AutoModelForCausalLM.from_pretrained(path))
+    script = tmp_path / "kl.py"
+    script.write_text(KL_UNDER_FSDP)
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port",
+                           free_port(), str(script), path, str(root), str(tmp_path)], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 0, torchrun_failure(proc.stdout, proc.stderr)
+    planned, _ = planned_kl(path, corpus, tmp_path, capsys, 3)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    weights = [*decoder_layers(model).parameters(), model.get_output_embeddings().weight]
+    norm = list(model.model.norm.parameters())
+
+    def padded(params):
+        return sum(-(-p.shape[0] // 3) * 3 * p[0].numel() for p in params)
+    for r in range(3):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        torch.testing.assert_close(torch.tensor(got["scores"], dtype=torch.float64), one, rtol=1e-5, atol=1e-9)
+        assert len(got["ran"]) == 2 * 24 == 2 * planned["expert_importance_layer_calls"]
+        assert got["heads"] == 2 * 7 == 2 * planned["expert_importance_forwards"]
+        # a forward gathers every decoder layer (the replayed ones too: FSDP2's hooks run on their
+        # call), the head's rows and the root's final norm, each parameter padded by FSDP to a
+        # multiple of 3 rows; received: 2 / 3 of it, fp32 here, bf16 in the plan
+        assert got["received"] == pytest.approx(2 * 7 * (padded(weights) + padded(norm)) * 4 * 2 / 3, rel=1e-4)
+        assert planned["expert_importance_gathered_bytes"] == pytest.approx(
+            2 * 7 * sum(p.numel() for p in weights) * 2 * 2 / 3, rel=1e-6)
 
 
 @pytest.mark.parametrize("extra, words", [
