@@ -117,6 +117,7 @@ def parse_args(argv=None):
     g.add_argument("--random-candidates", type=int, help="random: sets (default: evo's budget)")
     g.add_argument("--experts-keep", type=int, help="MoE: routed experts a layer keeps (experts/; --keep: all)")
     g.add_argument("--expert-init", default="kl", help="the experts' S_0: kl, reap, frequency, random")
+    g.add_argument("--expert-score-scale", type=float, default=1.0, help="S^e_0 = c log(s / max s)")
     g = p.add_argument_group("training (Sec. 3.3, Appendix E)")
     g.add_argument("--loss", choices=sorted(kd.LOSSES), default="akd", help="akd: eq. 13 (the "
                    "paper's); kd: eq. 12; sft: next-token cross-entropy")
@@ -188,14 +189,18 @@ def begin_step(opt, t, args, rank):
 # -----------------------------------------------------------------------------
 # The student: fp32 master weights, LoRA for the huge models, FSDP2 under torchrun
 
-def build_student(args, device, world, kept=None):
-    """The student: fp32, pruned to `kept` when resuming after the cut, parallelized. Under torchrun
-    rank 0 alone reads the weights (the others build it on the meta device, then get shards)."""
+def build_student(args, device, world, resumed=None):
+    """The student: fp32, cut as the checkpoint `resumed` was when after the cut, parallelized. Under
+    torchrun rank 0 alone reads the weights (the others build it on the meta device, then get shards)."""
     rank = torch.distributed.get_rank() if world > 1 else 0
     model, tok = load_model(args.model, "cpu", torch.float32, weights=rank == 0)
     model.config.use_cache = False  # no KV cache in a training forward
-    if kept is not None:  # the model the cut left
-        freeze_after_cut(remove_layers(model, kept), args)
+    if resumed and resumed["kept"] is not None:  # the model the cut left: its layers, its experts
+        remove_layers(model, resumed["kept"])
+        if args.experts_keep:
+            importlib.import_module("experts.cut").cut_experts(
+                model, resumed["search"]["experts"]["kept"], resumed["kept"])
+        freeze_after_cut(model, args)
     return parallelize_student(model, args, device, world), tok
 
 
@@ -461,6 +466,7 @@ def prune_to_top_k(model, opt, search, args):
     if torch.distributed.is_initialized():  # FSDP's root forgets the removed layers' units
         from scale.fsdp import drop_removed_layers
         drop_removed_layers(model)
+    search.reshape(model, opt.state)  # the cut beyond the layers (experts/: the N-expert model)
     for p in before - set(model.parameters()):
         p.grad = None  # freed now, not whenever the old optimizer goes
     freeze_after_cut(model, args)
@@ -554,10 +560,12 @@ def check_args(args, config, L, world, vocab=0):
     """Every flag checked against the model and the world before any work: one error line for the first
     that cannot run, a warning for each layout an engine would serve differently; the protected layers."""
     protected = protected_layers(L, args.protect_first, args.protect_last)
-    args.keep = args.keep or (args.experts_keep and L)  # experts alone: every layer stays
-    if args.keep is None or not max(1, len(protected)) <= args.keep <= L - (not args.experts_keep):
+    if args.keep is None and args.experts_keep is not None:  # experts alone: every layer stays
+        args.keep = L
+    most = L - (args.experts_keep is None)  # experts pruned: every layer may stay
+    if args.keep is None or not max(1, len(protected)) <= args.keep <= most:
         raise E3Error(f"--keep must be between {max(1, len(protected))} (the protected layers) and "
-                      f"{L - (not args.experts_keep)} for this {L}-layer model; got {args.keep}")
+                      f"{most} for this {L}-layer model; got {args.keep}")
     if args.layers is not None and not (len(args.layers) == args.keep
                                         and set(protected) <= set(args.layers) <= set(range(L))):
         raise E3Error(f"--layers must name --keep ({args.keep}) distinct layers of 0..{L - 1}, the "
@@ -578,7 +586,8 @@ def check_args(args, config, L, world, vocab=0):
         return protected
     if problem := micro_batch_problem(args, world, args.micro_batch):
         raise E3Error(problem)
-    check_removable(config, args.layers)  # a layout the config cannot express: stop now
+    if args.keep < L:  # a layout the config cannot express: stop now
+        check_removable(config, args.layers)
     for note in serving_notes(config, args.layers):  # where an engine would differ
         print0(f"warning: {note}")
     return protected
@@ -609,6 +618,8 @@ class Run:
         # every rank checks before rank 0 writes; a folder that is not this run is left untouched
         if run_file.exists():
             stored = {k: v for k, v in json.loads(run_file.read_text()).items() if k not in NOT_IDENTITY}
+            newer = run_identity(parse_args(["--model", "-"]))  # a flag the run predates: its default
+            stored = {**{k: newer[k] for k in identity.keys() - stored.keys() if k in newer}, **stored}
             show = lambda d, k: repr(d[k]) if k in d else "not in its run.json"  # noqa: E731 (a newer flag)
             if differ := [f"{k}: {show(stored, k)} -> {show(identity, k)}" for k in sorted(stored | identity)
                           if show(stored, k) != show(identity, k)]:
@@ -709,7 +720,7 @@ def main(argv=None):
     if T == 0:  # no cache: check --data now, before anything is written
         calibration_batches(args, tok, None)
     run.create()
-    model, _ = build_student(args, args.device, world, kept=resumed and resumed["kept"])
+    model, _ = build_student(args, args.device, world, resumed)
     teacher = importlib.import_module("scale.teacher").full_teacher(args, cache) if args.kd_full else None
     opt = make_optimizer(model, args)
     losses = make_losses(args, vocab, world)
@@ -732,7 +743,7 @@ def main(argv=None):
     search = registered(SEARCHES, args.search)(S0, args, L, T, protected, args.device)
     if args.experts_keep:  # and each MoE layer's routed experts, in the same steps (experts/)
         search = importlib.import_module("experts.search").ExpertSearch(search, model, args, vocab, partial(
-            calibration_batches, args, tok, cache), run.log, resumed and resumed["kept"])
+            calibration_batches, args, tok, cache), run.log)
     if args.guard:  # the cut's set: the best by held-out KL of the last ones visited (baselines/)
         guard = importlib.import_module("baselines.guard").CutGuard  # scored as the run validates
         search = guard(search, model, search_cache, losses, run.log, validate)
@@ -841,7 +852,7 @@ def export(model, args, rank, kept, L, tok, search, S0):
         if args.lora_rank:
             from scale.lora import merge_lora
             state = merge_lora(state, args.lora_alpha / args.lora_rank)
-        export_pruned(args.model, state, kept, L, tok, Path(args.out) / "model", info)
+        export_pruned(args.model, state, kept, L, tok, Path(args.out) / "model", info, search.reshape)
 
 
 if __name__ == "__main__":

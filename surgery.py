@@ -13,7 +13,6 @@ Model surgery on Hugging Face causal LMs: what E3-Pruner does to a model, each s
 HF decoder layers add their own residuals, so f(X_l) in eq. 1 is `layer(x) - x`.
 """
 import copy
-import importlib
 import json
 import os
 import re
@@ -233,6 +232,8 @@ class LayerSearch:
         step()                 Alg. 1 l.5: the scores' update (average_grad(): over the ranks)
         kept()                 Alg. 1's return: the k layers to keep, were it to stop now
         cut(model)             the search is over (experts/search.py freezes the experts here)
+        reshape(model, moments)  after the layer cut, the cut beyond the layers (experts/: the
+                               N-expert model), the optimizer state carried; the export's too
         state_dict(), load_state_dict(state), log_fields(), summary()   checkpoint, log, summary"""
     in_loop = False  # whether it runs in the first T_M training steps (Gumbel-TopK, l0)
 
@@ -255,6 +256,9 @@ class LayerSearch:
 
     def cut(self, model):
         pass
+
+    def reshape(self, model, moments=None):
+        return model
 
     def log_fields(self):
         return {}
@@ -462,19 +466,19 @@ def saved_dtype(source):
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.float32
 
 
-def export_pruned(source, state, kept, layers_before, tok, out_dir, info):
+def export_pruned(source, state, kept, layers_before, tok, out_dir, info, reshape=None):
     """Write the pruned model as the user gave `source`: its model built on the meta device, cut to
-    `kept`, handed `state` (the kept layers' full tensors) with assign=True, re-tied, cast back to
-    the source's dtype (bf16 stays bf16), with its generation config, tokenizer files and chat
-    template, and pruning.json (`info`, the layer lists: original indices; experts/cut.py slices
-    the experts of info["kept_experts"])."""
+    `kept` (and reshape(model): a search's cut beyond the layers, experts/cut.py's), handed `state`
+    (the kept layers' full tensors) with assign=True, re-tied, cast back to the source's dtype (bf16
+    stays bf16), with its generation config, tokenizer files and chat template, and pruning.json
+    (`info`, the layer lists: original indices)."""
     from transformers import GenerationConfig, PretrainedConfig
     model, _ = load_model(source, "cpu", torch.float32, weights=False)
     dtype = saved_dtype(source)
     remove_layers(model, kept)
+    if reshape is not None:
+        reshape(model)
     model.load_state_dict(state, strict=True, assign=True)
-    if info.get("kept_experts"):
-        model = importlib.import_module("experts.cut").remove_experts(model, info["kept_experts"], kept)
     model.tie_weights()  # assign replaced the shared embedding / head tensor by two copies
     cast_as_saved(model, dtype)
     for c in (model.config, *(v for v in vars(model.config).values() if isinstance(v, PretrainedConfig))):

@@ -34,6 +34,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -183,12 +184,14 @@ def tiny(family, folder, tok, layers=8, all_experts=False):
 def cut_experts_and_export(source, out, tok):
     """`source` with num_experts_per_tok experts kept in each MoE layer, each layer a different set
     (layer m keeps j = m, m + 1, ... mod E), exported as prune.py exports (no training)."""
+    from experts.cut import cut_experts
     from experts.routing import moe_layers
     model = runtime.load_model(source)[0]
     L, k = len(decoder_layers(model)), model.config.num_experts_per_tok
     kept = {str(m.index): sorted((i + j) % m.E for j in range(k)) for i, m in enumerate(moe_layers(model))}
-    export_pruned(source, {k: v.detach() for k, v in model.state_dict().items()}, list(range(L)), L,
-                  tok, out, {"source_model": source, "kept_experts": kept})  # experts/cut.py slices
+    cut = partial(cut_experts, kept=kept)  # the model cut, then its export built the same way
+    export_pruned(source, {k: v.detach() for k, v in cut(model).state_dict().items()}, list(range(L)), L,
+                  tok, out, {"source_model": source, "kept_experts": kept}, cut)
     return out, kept
 
 

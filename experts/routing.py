@@ -51,6 +51,16 @@ from surgery import decoder_layers
 ROUTER_NAMES = ("gate", "router")  # the router beside the experts, in every family transformers builds
 
 
+COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")  # the families' expert counts
+
+
+def expert_count(config):
+    """(the config's key for its routed-expert count, E), or (None, None) for a dense model."""
+    text = config.get_text_config()
+    return next(((k, getattr(text, k)) for k in COUNT_KEYS if isinstance(getattr(text, k, None), int)),
+                (None, None))
+
+
 @dataclass
 class MoE:
     index: int          # the decoder layer's index
@@ -58,6 +68,17 @@ class MoE:
     router: nn.Module
     experts: nn.Module  # the fused 3-D weights [E, ., .]
     E: int
+    linear: nn.Module = None  # what holds the router's weight [E, H]: the router, or its one Linear
+
+
+def _router_linear(router, E):
+    """The module whose weight [E, H] makes the router's E logits: the router itself (a `weight` of
+    E rows), or its one nn.Linear of E outputs (Hunyuan's gate.wg, AFMoE's router.gate); None."""
+    weight = getattr(router, "weight", None)
+    if torch.is_tensor(weight) and weight.dim() == 2 and weight.shape[0] == E:
+        return router
+    found = [m for m in router.modules() if isinstance(m, nn.Linear) and m.out_features == E]
+    return found[0] if len(found) == 1 else None
 
 
 def moe_layers(model):
@@ -76,10 +97,13 @@ def moe_layers(model):
                 continue
             E, block = stacked[0].shape[0], layer.get_submodule(parent)
             router = next((m for n, m in block.named_children() if n in ROUTER_NAMES), None)
-            weight = getattr(router, "weight", None)
-            if (torch.is_tensor(weight) and weight.dim() == 2 and weight.shape[0] == E
-                    and all(p.shape[0] == E for p in stacked)):
-                found.append(MoE(i, block, router, module, E))
+            linear = router is not None and _router_linear(router, E)
+            if linear and all(p.shape[0] == E for p in stacked):
+                if block is layer:
+                    raise E3Error(f"layer {i}: the experts and their router sit in the decoder layer "
+                                  f"itself, beside its MLP, not in an MoE block of their own: "
+                                  f"experts/routing.py serves a block")
+                found.append(MoE(i, block, router, module, E, linear))
             elif leaf == "experts":
                 raise E3Error(f"layer {i}: '{name}' holds {E} experts but no router named "
                               f"{' or '.join(ROUTER_NAMES)} with {E} rows sits beside it; "
@@ -119,33 +143,77 @@ class _LogitMask(TorchFunctionMode):
         return out
 
 
-def masked_router(moe, keep, own):
-    """A forward for `moe`'s router: `own` (its forward as found) with the experts where keep() [E]
-    is False unroutable, their logits -inf before the family's choice and so a per-expert score
-    correction (a floating buffer of E values on the router: DeepSeek-V3's e_score_correction_bias),
-    a masked copy in the buffer's place while it runs. keep() None: `own` as it is. A router whose
-    logits are not one F.linear of width E is refused with one line when it runs."""
-    router, E = moe.router, moe.E
-    corrections = [name for name, b in router.named_buffers(recurse=False)
-                   if b.is_floating_point() and tuple(b.shape) == (E,)]
+def expert_tensors(moe):
+    """The per-expert tensors of an MoE layer, the one reader of them (the mask, the cut, the plan's
+    count, LoRA's targets): [(module, name, dim)] for every parameter and buffer with a dimension of
+    size E, dim the first such, in the experts module (its fused weights and biases, dim 0), the
+    router and its children (its weight [E, H] and bias; a gate's statistics module: Ernie's
+    moe_statics [1, E]) and the block itself (MiniMax-M2's e_score_correction_bias [E]). The block's
+    other children (a shared expert, its gate) see every token: never routed, never listed."""
+    found = []
+    for module, recurse in ((moe.experts, True), (moe.router, True), (moe.block, False)):
+        for owner_name, owner in (module.named_modules() if recurse else [("", module)]):
+            for name, t in [*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]:
+                dims = [d for d, size in enumerate(t.shape) if size == moe.E]
+                if dims and (module is not moe.experts or dims[0] == 0):
+                    found.append((owner, name, dims[0]))
+    return found
+
+
+def corrections(moe):
+    """The per-expert tensors the mask places beside the router's logits: each one of E floating
+    values outside the experts and the router's own weight and bias (a score correction added to the
+    choice: DeepSeek-V3's, Ernie's, MiniMax-M2's), set to -inf at a masked expert while the block
+    runs. A per-expert tensor that is neither an expert's weight, the router's F.linear, nor one of
+    these is one the mask cannot place: check_placeable refuses its family."""
+    return [(m, n, d) for m, n, d in expert_tensors(moe)
+            if m is not moe.experts and m not in moe.experts.modules()
+            and not (m is moe.linear and n in ("weight", "bias"))]
+
+
+def check_placeable(moe):
+    """One error line where a per-expert tensor of `moe` is none the mask can place (works on the
+    meta device: shapes alone)."""
+    for m, n, d in corrections(moe):
+        t = getattr(m, n)
+        if t.numel() != moe.E or not t.is_floating_point():
+            raise E3Error(f"layer {moe.index}: {type(m).__name__}.{n} {tuple(t.shape)} holds a value "
+                          f"per expert that is neither an expert's weight, the router's logits nor a "
+                          f"score correction of {moe.E} values: experts/routing.py cannot make an "
+                          f"expert unroutable in this family")
+
+
+def masked_block(moe, keep, own):
+    """A forward for `moe`'s block: `own` (its forward as found) with the experts where keep() [E]
+    is False unroutable: their router logits -inf before the family's choice (the one F.linear of
+    width E that runs inside the block) and every score correction (corrections(moe)) a masked copy,
+    -inf at them, while it runs. keep() None: `own` as it is. A block that makes no or several
+    outputs of width E with F.linear is refused with one line when it runs."""
+    placed = corrections(moe)
 
     def forward(*args, **kwargs):
         mask = keep()
         if mask is None:
             return own(*args, **kwargs)
         mask = mask.detach() != 0  # bool [E]; a float 0/1 mask's values (no host sync)
-        found = {name: router._buffers[name] for name in corrections}
-        for name, b in found.items():
-            router._buffers[name] = b.masked_fill(~mask.to(b.device), float("-inf"))
+        found = []
+        for m, n, d in placed:
+            table = m._parameters if n in m._parameters else m._buffers
+            t = table[n]
+            shape = [1] * t.dim()
+            shape[d] = moe.E
+            found.append((table, n, t))
+            table[n] = t.detach().masked_fill(~mask.to(t.device).view(shape), float("-inf"))
         try:
             with _LogitMask(mask) as logits:
                 out = own(*args, **kwargs)
         finally:
-            router._buffers.update(found)
+            for table, n, t in found:
+                table[n] = t
         if logits.hits != 1:
-            raise E3Error(f"layer {moe.index}: {type(router).__name__} made {logits.hits} outputs of "
-                          f"width {E} with F.linear, not one (its logits): experts/routing.py cannot "
-                          f"make an expert unroutable in this family")
+            raise E3Error(f"layer {moe.index}: {type(moe.block).__name__} made {logits.hits} outputs of "
+                          f"width {moe.E} with F.linear, not one (its router's logits): experts/routing.py "
+                          f"cannot make an expert unroutable in this family")
         return out
     return forward
 
@@ -165,10 +233,10 @@ def forward_replaced(module, make):
 @contextmanager
 def expert_unroutable(moe, experts):
     """Inside the block, the router of `moe`'s layer never chooses `experts` (an index or several):
-    the top-k is taken among the others and renormalised as the family does (masked_router)."""
+    the top-k is taken among the others and renormalised as the family does (masked_block)."""
     keep = torch.ones(moe.E, dtype=torch.bool)
     keep[sorted({experts} if isinstance(experts, int) else set(experts))] = False
-    with forward_replaced(moe.router, lambda own: masked_router(moe, lambda: keep, own)):
+    with forward_replaced(moe.block, lambda own: masked_block(moe, lambda: keep, own)):
         yield
 
 
@@ -179,7 +247,7 @@ class ExpertGates:
         `mask` in training mode when set (the search's draw), else `hard` (the set the cut keeps,
         or would keep now; None: every expert)
 
-    where m_j = 0 makes expert j unroutable (masked_router) and each chosen expert's gate is
+    where m_j = 0 makes expert j unroutable (masked_block) and each chosen expert's gate is
     multiplied by m_j, 1 in value: the forward is the masked model's exactly, and the gradient
     dL/dm_j = sum over the tokens routed to j of g_j(x) <dL/dy, f_j(x)> reaches the scores through
     the straight-through mask (an unchosen expert has none: the routing adds no pass over the
@@ -192,7 +260,7 @@ class ExpertGates:
         self.stack = ExitStack()
         for moe, row in zip(moes, rows):
             self.stack.enter_context(forward_replaced(
-                moe.router, lambda own, moe=moe, row=row: masked_router(moe, lambda: self.row(moe, row), own)))
+                moe.block, lambda own, moe=moe, row=row: masked_block(moe, lambda: self.row(moe, row), own)))
             self.stack.callback(moe.experts.register_forward_pre_hook(
                 lambda module, args, kwargs, moe=moe, row=row: _gated(moe, self.row(moe, row), args, kwargs),
                 with_kwargs=True).remove)

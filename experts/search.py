@@ -5,7 +5,8 @@ each MoE layer's routed experts beside (or instead of) the layers, in the same T
     S^e [M, E]        a score per (MoE layer, routed expert); S^e_0 = c log(s / max_j s), s the
                       expert importance (--expert-init: kl, reap, frequency, random; experts/
                       importance.py): Plackett-Luce draws an expert with probability proportional
-                      to its importance (to its c-th power, c = --score-scale)
+                      to its importance (to its c-th power, c = --expert-score-scale; the layers'
+                      --score-scale multiplies their KL, S_0 = c s, and leaves S^e_0 as it is)
     step t <= T_M     the same tau_t as the layers', k'^e_t = E - ceil((E - N) t / T_M) experts,
                       M^e = Gumbel-TopK(S^e, tau_t, k'^e_t) per MoE layer (sampler.py as it is: one
                       row a layer), applied in routing (routing.ExpertGates): a masked expert is
@@ -13,9 +14,9 @@ each MoE layer's routed experts beside (or instead of) the layers, in the same T
                       kept ones' gates times m_j: dL/dS^e by the straight-through estimator, an Adam
                       step of --score-lr, as S's
     the cut           the top-N of S^e in every MoE layer stays (the same N everywhere: llama.cpp and
-                      vLLM hold one expert count for a whole model); the others stay unroutable
-                      until the export slices them away (experts/cut.py), so a resume on any number
-                      of ranks finds the shapes it saved
+                      vLLM hold one expert count for a whole model); the others are removed there
+                      (experts/cut.py): the fine-tune, its AdamW state and the export hold N experts
+                      a layer, and a resume after the cut rebuilds those shapes from the source
 
 DeepSeek's group-limited routing (n_group G > 1: the top-k among the experts of the best topk_group
 groups of E / G consecutive ones) stays exact only if every group keeps as many: the search runs per
@@ -23,28 +24,25 @@ group, N / G of each group's E / G, and the pruned config keeps n_group.
 
 --search none: the top-N of S^e_0 (one-shot, as REAP prunes); gumbel: the above. The others refuse.
 """
+import copy
+
 import torch
 
 from experts.importance import score_experts
-from experts.routing import ExpertGates, experts_per_layer, moe_layers
+from experts.routing import COUNT_KEYS, ExpertGates, expert_count, experts_per_layer, moe_layers
 from runtime import E3Error, mean_over_ranks, print0
 from sampler import gumbel_noise, gumbel_topk, k_schedule, score_lr_schedule, tau_schedule
-
-COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # the families' expert counts
-
-
-def expert_count(config):
-    """(the config's key for its routed-expert count, E), or (None, None) for a dense model."""
-    text = config.get_text_config()
-    return next(((k, getattr(text, k)) for k in COUNT_KEYS if isinstance(getattr(text, k, None), int)),
-                (None, None))
-
 
 def check_args(args, config):
     """prune.check_args' part for --experts-keep N, before any work: an MoE model, 1 <= N < E, N
     at least the experts a token is routed to, whole groups for DeepSeek's group-limited routing, a
-    search that runs on experts, an expert importance that exists."""
+    search that runs on experts, an expert importance that exists; and the model's MoE layers, built
+    on the meta device: found by structure, each per-expert tensor one the mask and the cut place
+    (routing.check_placeable), else the family is refused here, in one line."""
+    from transformers import AutoModelForCausalLM
+
     from experts.importance import EXPERT_IMPORTANCE
+    from experts.routing import check_placeable
     key, E = expert_count(config)
     text = config.get_text_config()
     k, G = getattr(text, "num_experts_per_tok", None) or 1, getattr(text, "n_group", None) or 1
@@ -67,6 +65,22 @@ def check_args(args, config):
                       f"'{args.expert_init}'")
     if args.guard:
         raise E3Error("--guard chooses among layer sets; with --experts-keep it is not available")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    moes = moe_layers(model)
+    if experts_per_layer(moes) != E:
+        raise E3Error(f"the MoE layers hold {moes[0].E} experts where the config's {key} says {E}: "
+                      f"experts/routing.py cannot tell which are routed")
+    for moe in moes:
+        check_placeable(moe)
+    from experts.cut import cut_experts
+    try:  # the cut rehearsed on the meta device: the family's own N-expert blocks take the slices
+        cut_experts(model, {m.index: list(range(args.experts_keep)) for m in moes})
+    except E3Error:
+        raise
+    except Exception as e:  # noqa: BLE001 (transformers' own, building the N-expert model)
+        raise E3Error(f"transformers cannot build {text.model_type} with {args.experts_keep} experts a layer "
+                      f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
 
 
 def initial_scores(scores, c=1.0):
@@ -83,11 +97,10 @@ class ExpertSearch:
     micro-batch j's expert draw on the gates and returns the layers' mask; step() moves both scores;
     cut() freezes the experts' set. S (the layers' scores) stays the wrapped search's."""
 
-    def __init__(self, search, model, args, vocab, calibration, log, kept_layers=None):
-        """calibration(): the batches of the expert importance; log: the run's log(**event);
-        kept_layers: the layers a resumed model still has (the cut's), None for all."""
+    def __init__(self, search, model, args, vocab, calibration, log):
+        """calibration(): the batches of the expert importance; log: the run's log(**event)."""
         self.search, self.model, self.args, self.vocab = search, model, args, vocab
-        self.calibration, self.log, self.kept_layers = calibration, log, kept_layers
+        self.calibration, self.log = calibration, log
         self.n, self.t, self.done, self.gates, self.noise = args.experts_keep, 0, False, None, []
         self.G = getattr(model.config.get_text_config(), "n_group", None) or 1
         self.gen = torch.Generator().manual_seed(args.seed + 1)  # its own draws, the same on every rank
@@ -95,16 +108,13 @@ class ExpertSearch:
     def __getattr__(self, name):  # the rest of the protocol: the wrapped search's
         return getattr(self.__dict__["search"], name)
 
-    def _start(self, S0, layers):
-        """S^e from S^e_0, its Adam, and the gates on the model's MoE layers (a resumed model after
-        the cut: the kept layers', found at their original indices)."""
+    def _start(self, S0, layers, gates=True):
+        """S^e from S^e_0, its Adam, and (gates) the gates on the model's MoE layers."""
         self.S0, self.layers = S0, layers
         self.S_experts = torch.nn.Parameter(S0.clone().to(self.search.S.device))
         self.opt = torch.optim.Adam([self.S_experts], lr=self.args.score_lr)
         self.E = self.S_experts.shape[1]
-        moes = moe_layers(self.model)
-        index = [(self.kept_layers[m.index] if self.kept_layers else m.index) for m in moes]
-        self.gates = ExpertGates(moes, [layers.index(i) for i in index])
+        self.gates = ExpertGates(moe_layers(self.model), list(range(len(layers)))) if gates else None
 
     def prepare(self, model, cache, losses, log):
         """Before training: the expert importance (logged), S^e_0, the gates (every expert routable
@@ -112,7 +122,7 @@ class ExpertSearch:
         generator = torch.Generator().manual_seed(self.args.seed)
         scores, layers = score_experts(self.args.expert_init, model, self.calibration(), self.vocab,
                                        self.log, generator)
-        self._start(initial_scores(scores, self.args.score_scale), layers)
+        self._start(initial_scores(scores, self.args.expert_score_scale), layers)
         self.search.prepare(model, cache, losses, log)
 
     def _grouped(self, x):
@@ -157,11 +167,30 @@ class ExpertSearch:
                  scores=self.S_experts.detach().cpu().tolist())
 
     def cut(self, model):
-        """The search is over: the top-N experts of every MoE layer stay, the others unroutable from
-        here in training and evaluation alike, until the export removes them."""
+        """The search is over: the top-N experts of every MoE layer are the set; the gates go (the
+        layers they held may be removed next, their experts with them)."""
         self.search.cut(model)
-        self.done, self.gates.mask, self.gates.hard = True, None, self.kept_mask()
+        self.done = True
+        self.gates.remove()
+        self.gates = None
         print0(f"experts: kept {self.n} of {self.E} in each of the {len(self.layers)} MoE layers")
+
+    def reshape(self, model, moments=None):
+        """After the layer cut (remove_layers), the model becomes the N-expert model (experts/cut.py),
+        its optimizer state `moments` carried; the same on a model built anew (the export)."""
+        from experts.cut import cut_experts
+        kept = self.search.kept()
+        return cut_experts(model, self.kept_experts(), kept, moments, self._prepare)
+
+    def _prepare(self, layer):
+        """What prune.parallelize_student did to a layer before FSDP2 sharded it, for a rebuilt one."""
+        if self.args.activation_checkpointing not in (None, "none"):
+            from scale.fsdp import apply_activation_checkpointing
+            apply_activation_checkpointing(None, self.args.activation_checkpointing, [layer])
+        if self.args.compile:
+            from scale.compile import compile_layers
+            compile_layers(None, [layer])
+        return layer
 
     def kept_experts(self):
         """{original layer index (str): the experts kept}, for the MoE layers the layer cut keeps."""
@@ -180,25 +209,30 @@ class ExpertSearch:
     def state_dict(self):
         return {**self.search.state_dict(), "experts": {
             "S": self.S_experts.detach().cpu(), "S0": self.S0, "layers": self.layers, "t": self.t,
-            "done": self.done, "opt": self.opt.state_dict(), "gen": self.gen.get_state()}}
+            "done": self.done, "opt": self.opt.state_dict(), "gen": self.gen.get_state(),
+            "kept": self.kept_experts() if self.done else None}}  # the shapes a resume rebuilds
 
     def load_state_dict(self, state):
+        """A resumed search; after the cut the model is already the N-expert model: no gates."""
         self.search.load_state_dict(state)
         e = state["experts"]
-        self._start(e["S0"], e["layers"])
+        self._start(e["S0"], e["layers"], gates=not e["done"])
         self.S_experts.data.copy_(e["S"])
         self.opt.load_state_dict(e["opt"])
         self.gen.set_state(e["gen"])
         self.t, self.done = e["t"], e["done"]
-        self.gates.hard = self.kept_mask() if self.t or self.done else None
+        if self.gates is not None:
+            self.gates.hard = self.kept_mask() if self.t else None
 
 
 def plan_line(args, model, L):
     """prune.py --plan's line for --experts-keep (model: the student on the meta device): the routed
     experts' parameters a MoE layer before and after, the parameters the export holds (every MoE layer
-    kept: --keep = L; else per MoE layer kept), and what does not change: a token's FLOPs (it visits
-    num_experts_per_tok experts of E or of N alike) and the training state (the removed experts stay,
-    unroutable, until the export). Returns (line, {summary fields}); the cost of --expert-init kl is
+    kept: --keep = L; else per MoE layer kept), and the phases: the search's T_M steps train all E
+    experts, the cut removes the others (their weights, gradients and AdamW moments freed), the
+    fine-tune's T - T_M steps train N (--search none: every step; scale.plan.phases sizes each); a
+    token's FLOPs the same but for the router's E rows that become N (it visits num_experts_per_tok
+    experts of E or of N alike). Returns (line, {summary fields}); the cost of --expert-init kl is
     scale.plan.expert_kl_cost's."""
     moes = moe_layers(model)
     E, n = experts_per_layer(moes), args.experts_keep
@@ -211,6 +245,9 @@ def plan_line(args, model, L):
         fields["params_exported"] = round(total - removed * len(moes))
     where = (f"{fields['params_exported'] / 1e6:,.1f}M params exported (of {total / 1e6:,.1f}M)"
              if args.keep == L else f"{removed / 1e6:,.2f}M fewer params a MoE layer kept")
-    return (f"plan: experts {E} -> {n} in each of {len(moes)} MoE layers: {where}; a token's FLOPs and "
-            f"the training state unchanged (the removed experts unroutable until the export; the "
-            f"router's E rows become N)"), fields
+    T, T_M = args.steps, args.search_steps
+    when = (f"the {T_M} search steps train all {E}, the cut removes the others (their weights, gradients "
+            f"and AdamW moments freed), the {T - T_M} fine-tune steps train {n}" if T_M else
+            f"no search: the cut at step 0, all {T} steps train {n}")
+    return (f"plan: experts {E} -> {n} in each of {len(moes)} MoE layers: {where}; {when}; a token's "
+            f"FLOPs the same but for the router's E rows, which become N"), fields

@@ -8,9 +8,9 @@ see the model they saw). prune.py: after activation checkpointing, before parall
 from surgery import decoder_layers
 
 
-def compile_layers(model, **options):
-    """Compile every decoder layer of `model` in place (options: torch.compile's, e.g. backend);
-    returns the model. Compilation happens at each layer's first call."""
-    for layer in decoder_layers(model):
+def compile_layers(model, layers=None, **options):
+    """Compile every decoder layer of `model` (or `layers`) in place (options: torch.compile's, e.g.
+    backend); returns the model. Compilation happens at each layer's first call."""
+    for layer in decoder_layers(model) if layers is None else layers:
         layer.compile(**options)
     return model

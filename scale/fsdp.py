@@ -19,6 +19,7 @@ file is what keeps the memory of a rank down (each measured: docs/scale.md):
                             gloo's collectives in 16 MB pieces (CPU ranks): no whole-unit buffer
   release_freed_memory      glibc's mmap threshold fixed at 64 KB on a CPU: freed tensors go back
   drop_removed_layers       after the cut, the root forgets the removed layers' units
+  replace_layer             a layer's unit rebuilt (the expert cut): gathered, cut, sharded again
   full_state_dict           the whole fp32 state gathered onto rank 0's CPU a tensor at a time
   apply_activation_checkpointing
                             every decoder layer's activations recomputed in the backward, whole
@@ -91,7 +92,7 @@ def parallelize(model, device, fused_loss=False, train=True):
     return model
 
 
-def apply_activation_checkpointing(model, mode):
+def apply_activation_checkpointing(model, mode, layers=None):
     """Recompute each decoder layer's activations in its backward instead of keeping them: "full"
     keeps a layer's input alone; "selective" keeps the outputs of its matmuls and attention too, and
     recomputes only the cheap elementwise ops between them (norms, RoPE, SiLU, the residual adds:
@@ -106,12 +107,12 @@ def apply_activation_checkpointing(model, mode):
     mutated"). Forward hooks (FSDP2's gather, the search's gates) run outside the checkpoint, once:
     FSDP2's pre-backward gather serves the recomputation, and during the search each gate keeps its
     layer's output for d out / d m (one residual-stream tensor a layer more than the checkpoint's
-    input). Call it before compile and parallelize."""
+    input). Call it before compile and parallelize. layers: these alone (default: every decoder layer)."""
     if mode not in ("full", "selective"):
         raise ValueError(f"activation checkpointing is 'full' or 'selective', not {mode!r}")
     # full: checkpoint's own default context (dynamo cannot trace its noop_context_fn handed in)
     context = {"context_fn": _save_matmuls} if mode == "selective" else {}
-    for layer in decoder_layers(model):
+    for layer in decoder_layers(model) if layers is None else layers:
         # a partial of the bound forward: copy.deepcopy of the model rebinds it to the copy's layer
         layer.forward = functools.partial(_checkpointed, layer.forward, context)
     return model
@@ -297,6 +298,39 @@ def drop_removed_layers(model):
     alive = set(model.modules())
     state._state_ctx.all_states = [s for s in state._state_ctx.all_states
                                    if all(m in alive for m in s._modules)]
+
+
+def replace_layer(model, i, layer, states=None):
+    """Decoder layer i, an FSDP2 unit, replaced by `layer` (a plain module, its full tensors on every
+    rank: one layer gathered, never the model), sharded as parallelize sharded the old one (its mesh,
+    mixed precision, reshard after forward, gloo's chunked collectives); states: {parameter name in
+    the layer: its optimizer state, gathered}, returned keyed by the new shards, each sharded as its
+    parameter. The root lists its units when it first runs (lazy init): that is redone at the next
+    forward, so that it lists the new unit and forgets the old."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+    from surgery import layers_owner
+    owner, attr = layers_owner(model)
+    old = getattr(owner, attr)[i]
+    state = old._get_fsdp_state()
+    group = state._fsdp_param_group
+    fully_shard(layer, mesh=group.mesh_info.mesh, mp_policy=state._mp_policy,
+                reshard_after_forward=group.post_forward_mesh_info is not None)
+    if torch.distributed.get_backend() == "gloo":
+        layer.set_custom_all_gather(ChunkedAllGather())
+        layer.set_custom_reduce_scatter(ChunkedReduceScatter())
+    getattr(owner, attr)[i] = layer
+    moved = {}
+    for name, p in layer.named_parameters():
+        if name in (states or {}):
+            moved[p] = {k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements)
+                        if torch.is_tensor(v) and v.shape == p.shape else v for k, v in states[name].items()}
+    root = model._get_fsdp_state()
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m._get_fsdp_state()._is_root = None
+    root._state_ctx.all_states = []
+    return moved
 
 
 def full_state_dict(model):

@@ -19,7 +19,9 @@ codebases). E3-Pruner's run: the search's T_M steps run all L layers, the T - T_
 kept k; the teacher cache is the teacher's forward over the same tokens (the validation split's
 few more are left out).
 
-Memory per rank (GB = 1e9 bytes), the search's (all L layers run; after the cut less), as listed by
+Memory per rank (GB = 1e9 bytes), each phase's at its size (phases(): the search's T_M steps at all
+L layers and E routed experts, the gates on; the fine-tune's after the cut at the k layers and N
+experts prune.py keeps, no gates; --search none: the fine-tune alone, from step 0), as listed by
 memory():
 
     state        16 B a trainable parameter (fp32 weights, gradients, AdamW's two moments), 4 B a
@@ -179,13 +181,15 @@ def flops_per_token(model, seq_len, n_layers=None, train=True):
     return (3 if train else 1) * (2 * N + 4 * n * seq_len * attention_width(cfg))
 
 
-def run_flops(args, model, L):
+def run_flops(args, model, L, cut=None):
     """(training FLOPs, teacher-cache FLOPs, tokens): the search's T_M steps at L layers, the rest at
-    the kept k, and the teacher's forward over every trained token."""
+    the kept k of the mean layer of `cut` (default: the model's; plan(): the model of N experts a
+    MoE layer where --experts-keep N, cut_models()), and the teacher's forward over every trained
+    token."""
     search = sequences_read(args.search_steps, args) * args.seq_len  # --search-batch-size
     after = sequences_read(args.steps, args) * args.seq_len - search
     train = (search * flops_per_token(model, args.seq_len, L)
-             + after * flops_per_token(model, args.seq_len, args.keep))
+             + after * flops_per_token(model if cut is None else cut, args.seq_len, args.keep))
     cache = (search + after) * flops_per_token(model, args.seq_len, L, train=False)
     return train, cache, search + after
 
@@ -360,17 +364,25 @@ def sizes(model):
                            head=head_params(model))
 
 
-def memory(args, model, ranks, micro_batch, mode, measured=None, chunk=None):
-    """Bytes on each of `ranks` GPUs in a search step (the module's docstring), by part; chunk: the
-    fused head's (default: --logit-chunk's; 0 the plain head)."""
+@functools.lru_cache(maxsize=64)
+def layer_activations(model, mode, fsdp, compiled, search, seq_len):
+    """activation_bytes, once a model and setting (choose() and min_ranks ask memory() for many
+    micro-batches and ranks; as sizes(), the model is taken not to change after its first plan)."""
+    return activation_bytes(model, mode, fsdp, compiled, search, seq_len)
+
+
+def memory(args, model, ranks, micro_batch, mode, measured=None, chunk=None, search=True):
+    """Bytes on each of `ranks` GPUs in a training step of `model` (the module's docstring), by part;
+    chunk: the fused head's (default: --logit-chunk's; 0 the plain head); search: a search step (the
+    gates of eq. 1 keep their layers' outputs), else a fine-tune step (no gates)."""
     measured = {} if measured is None else measured
     cfg, layers, n = text_config(model), decoder_layers(model), sizes(model)
     tokens, V, d = micro_batch * args.seq_len, cfg.vocab_size, cfg.hidden_size
     fsdp = ranks > 1
     chunk = args.logit_chunk if chunk is None else chunk
     compiled = bool(getattr(args, "compile", False))
-    act = activation_bytes(model, mode, fsdp, compiled, seq_len=args.seq_len)
-    recompute = (activation_bytes(model, "none", fsdp, compiled, False, args.seq_len)
+    act = layer_activations(model, mode, fsdp, compiled, search, args.seq_len)
+    recompute = (layer_activations(model, "none", fsdp, compiled, False, args.seq_len)
                  if mode != "none" else 0)
     K = 0 if args.targets == "sampled" else args.topk
     N = 0 if args.targets == "topk" else args.samples
@@ -385,7 +397,7 @@ def memory(args, model, ranks, micro_batch, mode, measured=None, chunk=None):
     }
 
 
-def choose(args, model, ranks, card_bytes, measured=None):
+def choose(args, model, ranks, card_bytes, measured=None, search=True):
     """The run's micro-batch, checkpointing and the fused head's chunk on `ranks` cards of card_bytes
     each: checkpointing only when memory needs it (none, then the faster of selective and full by
     the bench's measurements of this path, measured: the JSON, default the repo's; else selective
@@ -395,7 +407,8 @@ def choose(args, model, ranks, card_bytes, measured=None):
     card, and with that the largest chunk (chunk_sizes: the fused head, where --logit-chunk is
     unset, above one rank: prune.py sets 0 for one); a --micro-batch, --activation-checkpointing or
     --logit-chunk given is kept. Returns (micro_batch, mode, chunk, memory by part); (None, None,
-    None, the smallest run's memory) where nothing fits."""
+    None, the smallest run's memory) where nothing fits. search: memory()'s (a search step, else a
+    fine-tune step)."""
     sizes = [m for m in range(args.batch_size // ranks, 0, -1)
              if not micro_batch_problem(args, ranks, m)] or [1]  # none: prune.py's check says why
     sizes = [args.micro_batch] if getattr(args, "micro_batch", None) else sizes
@@ -407,18 +420,28 @@ def choose(args, model, ranks, card_bytes, measured=None):
         for m in sizes:
             chunks = [args.logit_chunk] if args.logit_chunk is not None else chunk_sizes(m * args.seq_len)
             for chunk in chunks:
-                parts = memory(args, model, ranks, m, mode, measured, chunk)
+                parts = memory(args, model, ranks, m, mode, measured, chunk, search)
                 if sum(parts.values()) <= USABLE * card_bytes:
                     return m, mode, chunk, parts
     least = MIN_CHUNK if args.logit_chunk is None else None
-    return None, None, None, memory(args, model, ranks, 1, "full", measured, least)
+    return None, None, None, memory(args, model, ranks, 1, "full", measured, least, search)
 
 
-def min_ranks(args, model, ranks, card_bytes, measured=None):
+def min_ranks(args, model, ranks, card_bytes, measured=None, search=True):
     """The fewest ranks above `ranks` (dividing every batch, as prune.py requires) on which a run
-    fits, or None."""
-    return next((n for n in range(ranks + 1, args.batch_size + 1) if not micro_batch_problem(args, n, 1)
-                 and choose(args, model, n, card_bytes, measured)[0]), None)
+    (search: a search step, else a fine-tune step) fits, or None. A number of ranks where even one
+    sequence at its smallest chunk (the least choose() tries, each mode) does not fit is passed over
+    at once."""
+    chunk = args.logit_chunk if args.logit_chunk is not None else min(chunk_sizes(args.seq_len))
+    modes = [args.activation_checkpointing] if getattr(args, "activation_checkpointing", None) else MODES
+
+    def fits(n):
+        if micro_batch_problem(args, n, 1):
+            return False
+        least = min(sum(memory(args, model, n, getattr(args, "micro_batch", None) or 1, mode, measured,
+                               chunk, search).values()) for mode in modes)
+        return least <= USABLE * card_bytes and choose(args, model, n, card_bytes, measured, search)[0]
+    return next((n for n in range(ranks + 1, args.batch_size + 1) if fits(n)), None)
 
 
 @functools.lru_cache(maxsize=2)
@@ -433,12 +456,12 @@ def lora_of(model):
     return lora
 
 
-def with_lora(args, model, ranks, card_bytes, measured=None):
+def with_lora(args, model, ranks, card_bytes, measured=None, search=True):
     """choose()'s pick for the run with --lora-rank LORA_RANK (4 B a frozen parameter, not 16),
     where it runs without LoRA."""
     if args.lora_rank:
         return None, None, None, None
-    return choose(args, lora_of(model), ranks, card_bytes, measured)
+    return choose(args, lora_of(model), ranks, card_bytes, measured, search)
 
 
 def card_memory():
@@ -501,13 +524,13 @@ def cards():
     return {**GPUS, **({f"this GPU ({here[0]})": (peak_flops(here[0]), here[1])} if here else {})}
 
 
-def on_card(args, model, ranks, kind, card, flops, measured):
+def on_card(args, model, ranks, kind, card, flops, measured, search=True):
     """What `ranks` GPUs of `kind` (card: (peak, bytes)) make of the run: (summary entry, its
     lines). flops: (training, cache). The entry states every number its hours come from: hours =
     (training FLOPs / mfu + cache FLOPs / cache_mfu) / (ranks x peak_flops), each rate rounded
-    before it is used."""
+    before it is used. model, search: the run's largest phase's (plan())."""
     peak, card_bytes = card
-    m, mode, chunk, parts = choose(args, model, ranks, card_bytes, measured)
+    m, mode, chunk, parts = choose(args, model, ranks, card_bytes, measured, search)
     total = sum(parts.values()) / GB
     entry = {"micro_batch": m, "activation_checkpointing": mode, "logit_chunk": chunk,
              "gb_per_rank": round(total, 2), "fits": m is not None, "mfu": None, "cache_mfu": None,
@@ -516,8 +539,8 @@ def on_card(args, model, ranks, kind, card, flops, measured):
              f"{USABLE * card_bytes / GB:.1f}):")
     detail = ", ".join(f"{k} {v / GB:.3g}" for k, v in parts.items())
     if m is None:
-        entry["min_ranks"] = min_ranks(args, model, ranks, card_bytes, measured)
-        lm, lmode, _, lparts = with_lora(args, model, ranks, card_bytes, measured)
+        entry["min_ranks"] = min_ranks(args, model, ranks, card_bytes, measured, search)
+        lm, lmode, _, lparts = with_lora(args, model, ranks, card_bytes, measured, search)
         entry["lora"] = lm and {"lora_rank": LORA_RANK, "micro_batch": lm,
                                 "activation_checkpointing": lmode,
                                 "gb_per_rank": round(sum(lparts.values()) / GB, 2)}
@@ -544,6 +567,99 @@ def on_card(args, model, ranks, kind, card, flops, measured):
     return entry, lines
 
 
+# -----------------------------------------------------------------------------
+# The run's phases, each at its size: the search at the source's, the fine-tune after the cut at the
+# pruned model's (prune.py removes the dropped layers and experts at the cut: their weights,
+# gradients and AdamW moments freed)
+
+def build(config, args):
+    """The model of `config` on the meta device, LoRA added as scale.fsdp.meta_model adds it."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    if args.lora_rank:
+        from scale.lora import add_lora
+        add_lora(model, args.lora_rank, args.lora_alpha, args.seed)
+    return model
+
+
+def cut_models(args, model, L):
+    """(the model of N routed experts a MoE layer at all L layers, the one the fine-tune trains): the
+    source's config with --experts-keep N's expert count (experts.cut.expert_config, the export's
+    own), and that with --keep k's k layers (surgery.pruned_config): the k largest by parameters
+    (the first among equals), as the plan does not know which the search keeps: the most k layers
+    can hold (any k on a model whose layers are all alike); --layers' own where given. `model` itself
+    for what is not cut (--keep unset: every layer); made once a plan (state_line and plan() ask
+    alike)."""
+    keep = L if args.keep is None else args.keep
+    layers = getattr(args, "layers", None)
+    return _cut_models(model, L, keep, tuple(sorted(layers)) if layers else None,
+                       getattr(args, "experts_keep", None), args.lora_rank, args.lora_alpha, args.seed)
+
+
+@functools.lru_cache(maxsize=2)
+def _cut_models(model, L, keep, layers, experts_keep, lora_rank, lora_alpha, seed):
+    from surgery import pruned_config
+    args = SimpleNamespace(lora_rank=lora_rank, lora_alpha=lora_alpha, seed=seed)
+    wide = model
+    if experts_keep:
+        from experts.cut import expert_config
+        wide = build(expert_config(model.config, experts_keep), args)
+    if keep >= L:
+        return wide, wide
+    size = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]
+    kept = list(layers) if layers else sorted(sorted(range(L), key=lambda i: -size[i])[:keep])
+    return wide, build(pruned_config(wide.config, kept), args)
+
+
+def phases(args, model, L):
+    """The run's phases, each trained at its size, largest first: [SimpleNamespace(name, steps,
+    model, search)]: the search's T_M steps at the source's (E experts, L layers, the gates of eq. 1
+    on), then the fine-tune's T - T_M at cut_models()'s (N experts, k layers, no gates); --search
+    none (T_M = 0) cuts at step 0: the fine-tune alone. A phase of no steps is left out (T = 0: the
+    search's size stands)."""
+    cut = cut_models(args, model, L)[1]
+    T, T_M = args.steps, args.search_steps
+    found = [SimpleNamespace(name="search", steps=T_M, model=model, search=True)] if T_M else []
+    if T - T_M > 0:
+        found.append(SimpleNamespace(name="finetune", steps=T - T_M, model=cut, search=False))
+    return found or [SimpleNamespace(name="search", steps=0, model=model, search=True)]
+
+
+def phase_plan(args, phase, ranks, kinds, measured, first=None):
+    """A phase's summary entry and its line: its steps, layers, routed experts a MoE layer (None:
+    dense), parameters, the state a rank holds (weights, gradients, AdamW: state_bytes) on `ranks`,
+    and for each kind of card choose()'s micro-batch, checkpointing, chunk and bytes a rank on
+    `ranks`, and the fewest ranks on which the phase fits (min_ranks from 1; None: none up to the
+    batch). first: on_card()'s entries for this phase ({kind: entry}), where plan() made them."""
+    from experts.search import expert_count
+    model = phase.model
+    params = sum(p.numel() for p in model.parameters())
+    entry = {"steps": phase.steps, "layers": len(decoder_layers(model)),
+             "experts": expert_count(model.config)[1], "params": params,
+             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+             "state_gb_per_rank": round(state_bytes(model.parameters(), ranks) / GB, 2), "by_kind": {}}
+    picks = []
+    for kind, (_, card_bytes) in kinds.items():
+        if first is not None:
+            e = first[kind]
+            m, mode, chunk, gb = e["micro_batch"], e["activation_checkpointing"], e["logit_chunk"], e["gb_per_rank"]
+        else:
+            m, mode, chunk, parts = choose(args, model, ranks, card_bytes, measured, phase.search)
+            gb = round(sum(parts.values()) / GB, 2)
+        fewest = min_ranks(args, model, 0, card_bytes, measured, phase.search)
+        entry["by_kind"][kind] = {"micro_batch": m, "activation_checkpointing": mode, "logit_chunk": chunk,
+                                  "gb_per_rank": gb, "fits": m is not None, "fewest_ranks": fewest}
+        on = (f"micro-batch {m}, checkpointing {mode}, {gb:.1f} GB a rank" if m is not None
+              else f"nothing fits ({gb:.1f} GB a rank at the least)")
+        picks.append(f"{kind}: {on}; fits from {fewest or 'no number up to the batch of'} rank(s)")
+    experts = f", {entry['experts']} experts a MoE layer" if entry["experts"] else ""
+    line = (f"plan: the {phase.name}, {phase.steps} steps at {entry['layers']} layers{experts}: "
+            f"{params / 1e6:,.1f}M params, weights+grads+Adam {entry['state_gb_per_rank']:.3g} GB/rank; "
+            f"on {ranks} rank(s) " + " | ".join(picks))
+    return entry, line
+
+
 def plan(args, model, L, ranks, cache_bytes=None, measured=None, gpu="H100", kinds=None):
     """prune.py --plan RANKS: (lines to print, summary: one JSON object). args: prune.parse_args()'s
     namespace once prune.py has resolved it for L layers on RANKS (T, T_M, compile; the logit
@@ -554,22 +670,37 @@ def plan(args, model, L, ranks, cache_bytes=None, measured=None, gpu="H100", kin
     (and min_ranks, lora) are `gpu`'s; by_kind holds every kind's; mfu (training's), cache_mfu (the
     teacher's forward), peak_flops, hours and gpu_hours each kind's on `ranks` (the rates None
     where the run does not fit), hours = (train_flops / mfu + cache_flops / cache_mfu) / (ranks x
-    peak_flops)."""
+    peak_flops). Those are the run's largest phase's (phases(): the search's; --search none: the
+    fine-tune's, N experts and k layers): prune.py picks one micro-batch and checkpointing for the
+    run, and the smaller phase runs with them too. phases: {"search", "finetune": phase_plan()'s
+    entry}, each phase at its own size; fewest_ranks: {kind: the most of the phases' fewest ranks
+    (None: one of them fits on none)}, what the run needs."""
     measured = load_bench() if measured is None else measured
     kinds = cards() if kinds is None else kinds
-    train_flops, cache_flops, tokens = run_flops(args, model, L)
+    train_flops, cache_flops, tokens = run_flops(args, model, L, cut_models(args, model, L)[0])
     compiled = bool(getattr(args, "compile", False))
-    act = {mode: activation_bytes(model, mode, ranks > 1, compiled, seq_len=args.seq_len) for mode in MODES}
+    runs = phases(args, model, L)
+    first = runs[0]  # the largest: the fine-tune's model is the search's less what the cut removes
+    act = {mode: activation_bytes(first.model, mode, ranks > 1, compiled, first.search, args.seq_len)
+           for mode in MODES}
     lines = [f"plan: training {train_flops:.3g} FLOP ({args.search_steps} search steps at {L} "
              f"layers, {args.steps - args.search_steps} at {args.keep}), teacher cache "
              f"{cache_flops:.3g} FLOP (its forward over the {tokens:,} tokens); activations a token "
-             f"and layer in the search: " + ", ".join(f"{mode} {b / 1e3:.1f} KB" for mode, b in act.items())
+             f"and layer in the {first.name}: " + ", ".join(f"{mode} {b / 1e3:.1f} KB" for mode, b in act.items())
              + f"; {'compiled' if getattr(args, 'compile', False) else 'eager'}"]
     by_kind = {}
     for kind, card in kinds.items():
-        by_kind[kind], more = on_card(args, model, ranks, kind, card, (train_flops, cache_flops),
-                                      measured)
+        by_kind[kind], more = on_card(args, first.model, ranks, kind, card, (train_flops, cache_flops),
+                                      measured, first.search)
         lines += more
+    each = {}
+    for i, phase in enumerate(runs):
+        each[phase.name], line = phase_plan(args, phase, ranks, kinds, measured, None if i else by_kind)
+        lines.append(line)
+    fewest = {kind: None if None in (f := [e["by_kind"][kind]["fewest_ranks"] for e in each.values()])
+              else max(f) for kind in kinds}
+    lines.append("plan: the run needs the most of its phases' (" + ", ".join(each) + "): fewest "
+                 + ", ".join(f"{kind} {n or '-'}" for kind, n in fewest.items()))
     per_kind = ("mfu", "cache_mfu", "peak_flops", "hours", "gpu_hours")  # by kind; the rest `gpu`'s
     summary = {"params": sum(p.numel() for p in model.parameters()), "tokens": tokens,
                "train_flops": train_flops, "cache_flops": cache_flops, "ranks": ranks, "gpu": gpu,
@@ -577,7 +708,8 @@ def plan(args, model, L, ranks, cache_bytes=None, measured=None, gpu="H100", kin
                **{k: {kind: e[k] for kind, e in by_kind.items()} for k in per_kind},
                "by_kind": by_kind, "measured_on": measured.get("device"),
                "compile": bool(getattr(args, "compile", False)),
-               "activation_bytes": {mode: round(b) for mode, b in act.items()}}
+               "activation_bytes": {mode: round(b) for mode, b in act.items()},
+               "phases": each, "fewest_ranks": fewest}
     if cache_bytes is not None:
         summary["cache_gb"] = round(cache_bytes / GB, 2)
     return lines, summary
@@ -587,14 +719,20 @@ def plan(args, model, L, ranks, cache_bytes=None, measured=None, gpu="H100", kin
 # prune.py's two uses: --plan RANKS, and the micro-batch a GPU run picks
 
 def state_line(args, ranks, model, L):
-    """Parameters, and per rank the state (state_bytes) before and after the cut."""
+    """Parameters, and per rank the state (state_bytes) before and after the cut: after it the
+    model cut_models() builds (k layers, N experts a MoE layer); --search none cuts at step 0."""
     search = state_bytes(model.parameters(), ranks) / GB
-    after = search - (L - args.keep) * state_bytes(decoder_layers(model)[-1].parameters(), ranks) / GB
+    cut = cut_models(args, model, L)[1]
+    after = state_bytes(cut.parameters(), ranks) / GB
     n = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    from experts.search import expert_count
+    E, N = expert_count(model.config)[1], expert_count(cut.config)[1]
+    what = f"{L} -> {args.keep} layers" + (f", {E} -> {N} experts a MoE layer" if E != N else "")
+    when = (f"{search:.3g} GB/rank in the search, {after:.3g} GB/rank after the cut ({what})"
+            if args.search_steps else f"{after:.3g} GB/rank, the whole run after the cut at step 0 ({what})")
     return (f"plan: {n / 1e6:,.1f}M params ({trainable / 1e6:,.1f}M trainable) | weights+grads+Adam "
-            f"{search:.3g} GB/rank in the search, {after:.3g} GB/rank after the cut ({L} -> "
-            f"{args.keep} layers)")
+            + when)
 
 
 def cache_meta(path):
@@ -671,12 +809,18 @@ def pick_for_card(args, world):
     decided here alone (a value given is kept, fitting or not): on a GPU choose()'s pick for its
     free memory, where nothing fits one sequence with full checkpointing; on CPU ranks the fused
     head in chunks of MIN_CHUNK (there a chunk costs its matmul; prune.py: one sequence, no
-    checkpointing)."""
+    checkpointing). The pick is for the run's largest phase (phases(): the search's; --search none:
+    the cut model's, N experts and k layers from step 0), and holds for the smaller one after it."""
     if None not in (args.micro_batch, args.activation_checkpointing, args.logit_chunk):
         return
     here = card_memory()
     try:
-        micro, mode, chunk, _ = choose(args, meta_model(args)[0], world, here[1]) if here else [None] * 4
+        if here:
+            model = meta_model(args)[0]
+            first = phases(args, model, len(decoder_layers(model)))[0]
+            micro, mode, chunk, _ = choose(args, first.model, world, here[1], search=first.search)
+        else:
+            micro, mode, chunk = None, None, None
     except NotCounted as e:  # a family whose activations the plan cannot count: the least memory
         print0(f"warning: {e}; trying one sequence with full checkpointing")
         micro, mode, chunk = 1, "full", None

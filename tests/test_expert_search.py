@@ -211,7 +211,11 @@ def test_experts_alone_resume_across_the_cut_and_plan(saved, corpus, tmp_path, m
     assert planned["params"] == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(
         saved("qwen2_moe")).parameters()) > planned["params_exported"]
     # the routed experts' FLOPs unchanged (2 of 4 or 2 of 2); the 3 routers' 6 x 4 x 32 -> 6 x 2 x 32
-    assert flops_per_token(model, 32) - flops_per_token(exported, 32) == 3 * 6 * 2 * 32
+    source = AutoModelForCausalLM.from_pretrained(saved("qwen2_moe"))
+    assert flops_per_token(source, 32) - flops_per_token(exported, 32) == 3 * 6 * 2 * 32
+    # the run's model itself was cut: the exported shapes, nothing of the removed experts left
+    assert {k: v.shape for k, v in model.state_dict().items()} == {
+        k: v.shape for k, v in exported.state_dict().items()}
     for until in ("3", "cut"):
         out = tmp_path / until
         prune.main(args(out, "--until", until))
@@ -358,7 +362,7 @@ def test_deepseek_groups_stay_whole(tmp_path):
                 b.copy_(torch.linspace(-1, 1, 8))
     args = argparse.Namespace(experts_keep=4, keep=4, search_steps=4, seed=0, score_lr=0.1, beta=0.9,
                               masks_per_step=1, score_lr_schedule="constant", expert_init="random",
-                              score_scale=1.0)
+                              expert_score_scale=1.0)
     search = ExpertSearch(GumbelTopKSearch(torch.zeros(4), args, 4, 8, [], "cpu"), model, args, VOCAB,
                           lambda: [], lambda **e: None)
     search.prepare(model, None, None, None)
@@ -438,3 +442,158 @@ def test_moe_compare_at_tiny_size(methods, tokenizer, tmp_path):
             assert r["experts"] == f"8 -> {n}" and len(r["kept_layers"]) == 4
             assert all(len(kept) == n for kept in r["kept_experts"].values())
     assert ("random experts + AKD, 50%" if methods else "REAP one-shot, no training") in done.stdout
+
+
+@pytest.mark.parametrize("search", ["gumbel", "none"])
+def test_the_cut_frees_the_removed_experts_and_their_adam_state(search, saved, corpus, tmp_path, monkeypatch):  # noqa: F811
+    """--keep 4 --experts-keep 2 on Qwen2-MoE (a shared expert beside the routed ones): from the cut
+    on, every tensor of 4 experts (the routed weights, the router) and every tensor of a removed
+    layer is referenced by nothing (weak references die), and the weights, gradients and AdamW state
+    the fine-tune holds are those of the model built by plain transformers with 2 experts and the 4
+    kept layers (its parameters counted here, the moments 2 a weight); the gumbel search first runs
+    at 4 experts. Fails where the cut masks the experts and the export alone slices them."""
+    import gc
+    import weakref
+
+    import prune
+    from surgery import pruned_config
+    monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
+    seen = {}
+    found = prune.prune_to_top_k
+
+    def cut(model, opt, search_, args):  # every tensor of the unpruned model, weakly, at the cut
+        seen["before"] = [weakref.ref(p) for p in model.parameters()]
+        kept, new = found(model, opt, search_, args)
+        seen["model"], seen["opt"] = model, new
+        return kept, new
+    monkeypatch.setattr(prune, "prune_to_top_k", cut)
+    steps = []
+    step = prune.train_step
+
+    def counted(model, opt, *a, **k):  # the state the fine-tune's steps hold, after each one
+        out = step(model, opt, *a, **k)
+        gc.collect()
+        steps.append(sum(t.numel() for s in opt.state.values() for t in s.values() if t.dim()))
+        return out
+    monkeypatch.setattr(prune, "train_step", counted)
+    out = tmp_path / "run"
+    prune.main(tiny_args(saved("qwen2_moe"), corpus, out, "--experts-keep", "2", "--search", search,
+                         "--steps", "6", "--n-calib", "2"))
+    model, opt = seen["model"], seen["opt"]
+    gc.collect()
+    alive = {id(r()) for r in seen["before"] if r() is not None}
+    assert alive <= {id(p) for p in model.parameters()}  # nothing of the cut is left alive
+    assert all(p.shape[0] == 2 for p in model.parameters() if id(p) not in alive)  # the experts' new
+    kept = json.loads((out / "model" / "pruning.json").read_text())["kept_layers"]
+    config = pruned_config(copy.deepcopy(AutoModelForCausalLM.from_pretrained(saved("qwen2_moe")).config), kept)
+    config.num_experts = 2
+    reference = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert sum(p.numel() for p in model.parameters()) == reference
+    assert steps[-1] == 2 * reference  # exp_avg and exp_avg_sq of every weight the fine-tune trains
+    assert sum(p.grad is not None for p in model.parameters()) == 0 or all(
+        p.grad.shape == p.shape for p in model.parameters() if p.grad is not None)
+
+
+def without_keep(argv):
+    i = argv.index("--keep")
+    return argv[:i] + argv[i + 2:]
+
+
+def test_experts_keep_0_alone_blames_experts_keep(saved, corpus, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "run"
+    one_line_error(without_keep(tiny_args(saved("qwen3_moe"), corpus, out, "--experts-keep", "0")), capsys,
+                   "--experts-keep must be between 2", "got 0")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("model_type, settings", [
+    ("jamba", dict(num_experts=4, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+                   attn_layer_period=2, attn_layer_offset=1)),
+    ("minimax", dict(num_local_experts=4, num_experts_per_tok=2)),
+    ("beam", dict(n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1))])
+def test_experts_alone_are_no_layer_cut(model_type, settings):
+    """--experts-keep without --keep removes no layer: the layer cut's check (a layout the config
+    cannot express after a removal) is not asked, where Jamba's periods, MiniMax's and Beam's layer
+    lists would refuse a removal; a removal (--keep 3 of 4) is still checked."""
+    from transformers import AutoConfig
+
+    import prune
+    config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, intermediate_size=32,
+                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                  **settings)
+    args = prune.parse_args(["--model", "m", "--experts-keep", "2", "--search", "none", "--steps", "2",
+                             "--batch-size", "1"])
+    prune.resolve_args(args, 1)
+    assert prune.check_args(args, config, 4, 1) is not None and args.keep == 4
+
+
+def test_a_run_saved_before_the_expert_flags_resumes(saved, corpus, tmp_path, monkeypatch):  # noqa: F811
+    """A run folder whose run.json predates a flag (experts_keep, expert_init, expert_score_scale
+    missing) resumes: a missing key is the flag's default; a flag given otherwise is refused."""
+    import prune
+    monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
+    out = tmp_path / "run"
+    argv = tiny_args(saved("llama"), corpus, out, "--steps", "4", "--ckpt-every", "2")
+    prune.main(argv + ["--until", "2"])
+    stored = json.loads((out / "run.json").read_text())
+    for key in ("experts_keep", "expert_init", "expert_score_scale"):
+        stored.pop(key, None)
+    (out / "run.json").write_text(json.dumps(stored))
+    with pytest.raises(E3Error, match="expert_score_scale: 1.0 -> 2.0"):
+        prune.main(argv + ["--resume", "--expert-score-scale", "2"])
+    prune.main(argv + ["--resume"])
+    assert json.loads((out / "model" / "pruning.json").read_text())["step"] == 4
+
+
+def test_expert_score_scale_scales_the_experts_and_score_scale_the_layers(saved, corpus, tmp_path, monkeypatch):  # noqa: F811
+    """--score-scale c: the layers' S_0 = c x their KL; the experts' S^e_0 unchanged. --expert-score-scale
+    c: S^e_0 = c log(s / max_j s), from the logged expert importance s (float64 here)."""
+    import prune
+    monkeypatch.setattr(prune, "TEACHER_CACHE_DIR", tmp_path / "teacher")
+
+    def initial(out, *extra):
+        prune.main(tiny_args(saved("qwen2_moe"), corpus, out, "--experts-keep", "2", "--steps", "2",
+                             "--search", "none", *extra))
+        info = json.loads((out / "model" / "pruning.json").read_text())
+        s = torch.tensor(events(out, "expert_importance")[0]["scores"], dtype=torch.float64)
+        return torch.tensor(info["initial_scores"]), torch.tensor(info["initial_expert_scores"]), s
+    layers, experts, s = initial(tmp_path / "a")
+    ratio = torch.log((s / s.amax(-1, keepdim=True)).clamp_min(1e-6))
+    torch.testing.assert_close(experts.double(), ratio, rtol=1e-6, atol=1e-6)
+    layers3, experts3, _ = initial(tmp_path / "b", "--score-scale", "3")
+    torch.testing.assert_close(layers3, 3 * layers) and torch.testing.assert_close(experts3, experts)
+    _, experts2, _ = initial(tmp_path / "c", "--expert-score-scale", "2")
+    torch.testing.assert_close(experts2.double(), 2 * ratio, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_cut_under_fsdp_is_one_process_and_resumes_on_any_ranks(saved, corpus, tmp_path, monkeypatch):  # noqa: F811
+    """--keep 4 --experts-keep 2 on Qwen2-MoE (a shared expert, a dense layer every other): 2 gloo
+    ranks under FSDP2, whose cut rebuilds each MoE layer's unit at 2 experts (gathered, cut, sharded
+    again) and carries its AdamW moments, == one process: every step's loss within 1e-5, the kept
+    sets, the exported weights; stopped at the cut (a checkpoint of the cut's shapes) and resumed on
+    2 ranks from one process's checkpoint and on 1 from 2 ranks' == the uninterrupted run."""
+    from test_prune import run
+    base = lambda out, *extra: tiny_args(saved("qwen2_moe"), corpus, out, "--experts-keep", "2", *extra)  # noqa: E731
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_here(base(one), tmp_path, monkeypatch)
+    run(base(two), tmp_path, nproc=2)
+    losses = [[e["loss"] for e in events(o, "train")] for o in (one, two)]
+    assert len(losses[0]) == 8 and max(abs(a - b) for a, b in zip(*losses)) < 1e-5, losses
+    infos = [json.loads((o / "model" / "pruning.json").read_text()) for o in (one, two)]
+    assert infos[0]["kept_experts"] == infos[1]["kept_experts"] and infos[0]["kept_layers"] == infos[1]["kept_layers"]
+    reference = weights(one)
+    for out, first, then in ((tmp_path / "a", 1, 2), (tmp_path / "b", 2, 1)):
+        if first == 1:
+            run_here(base(out, "--until", "cut"), tmp_path, monkeypatch)
+        else:
+            run(base(out, "--until", "cut"), tmp_path, nproc=2)
+        if then == 1:
+            run_here(base(out, "--resume"), tmp_path, monkeypatch)
+        else:
+            run(base(out, "--resume"), tmp_path, nproc=2)
+        got = weights(out)
+        assert got.keys() == reference.keys()
+        for key in got:
+            torch.testing.assert_close(got[key], reference[key], rtol=0, atol=1e-4, msg=key)
+        assert [e["loss"] for e in events(out, "train")][-1] == pytest.approx(losses[0][-1], abs=1e-5)

@@ -2,6 +2,7 @@
 switch a wing on): the scripts stand on the files below them and nothing below imports a script back,
 so a copied script (`cp prune.py my_prune.py`) runs its own code and no file has a circle to enter."""
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +26,12 @@ def imports(path, files):
         elif isinstance(node, ast.ImportFrom):
             assert node.level == 0, f"{path}: a relative import; the files import by their names"
             names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
+              == "import_module" and node.args and isinstance(node.args[0], ast.Constant)):
+            names = [node.args[0].value]  # importlib.import_module("experts.cut"): an import too
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+              and re.fullmatch(r"[a-z_.]+:[A-Za-z_]+", node.value)):
+            names = [node.value.split(":")[0]]  # a registry's "module:attribute", imported when named
         else:
             continue
         for name in names:  # `import scale.fsdp` enters `scale` first; `from scale import data`
@@ -61,6 +68,7 @@ def test_the_walk_sees_lazy_imports():
     graph = import_graph()
     assert {"scale.fsdp", "scale.plan", "scale.fused_loss", "kd", "surgery"} <= graph["prune"]
     assert "scale.data" in graph["cache_teacher"]
+    assert {"experts.search", "baselines.guard", "baselines.evo"} <= graph["prune"]  # by name
 
 
 def test_the_import_graph_has_no_circle():
