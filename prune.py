@@ -199,7 +199,7 @@ def build_student(args, device, world, resumed=None):
         remove_layers(model, resumed["kept"])
         if args.experts_keep:
             importlib.import_module("experts.cut").cut_experts(
-                model, resumed["search"]["experts"]["kept"], resumed["kept"])
+                model, resumed["search"]["experts"].get("kept"), resumed["kept"])
         freeze_after_cut(model, args)
     return parallelize_student(model, args, device, world), tok
 
@@ -560,8 +560,7 @@ def check_args(args, config, L, world, vocab=0):
     """Every flag checked against the model and the world before any work: one error line for the first
     that cannot run, a warning for each layout an engine would serve differently; the protected layers."""
     protected = protected_layers(L, args.protect_first, args.protect_last)
-    if args.keep is None and args.experts_keep is not None:  # experts alone: every layer stays
-        args.keep = L
+    args.keep = L if args.keep is None and args.experts_keep is not None else args.keep  # experts alone
     most = L - (args.experts_keep is None)  # experts pruned: every layer may stay
     if args.keep is None or not max(1, len(protected)) <= args.keep <= most:
         raise E3Error(f"--keep must be between {max(1, len(protected))} (the protected layers) and "

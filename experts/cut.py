@@ -15,7 +15,7 @@ fine-tune, its optimizer and the export hold N experts a layer, not E.
                                    (a shared expert, its gate, the layer around the block) the same
                                    objects. An optimizer's state moves with the parameters: AdamW's
                                    moments are per element, so a kept expert's rows are its own.
-                                   Under FSDP2 a layer at a time: gathered, cut, sharded again.
+                                   Under FSDP2 a layer's unit at a time, shard to shard.
 
 The same function serves the cut in training, a resume after it (the source model cut again before
 the checkpoint's weights are loaded) and the export (the model built on the meta device from the
@@ -48,9 +48,13 @@ def cut_experts(model, kept, layers=None, moments=None, prepare=None):
     maps an original layer index (str or int) to the experts it keeps, the same count everywhere;
     layers: the original index of each of the model's layers (a layer cut's kept list), None: the
     model's own; moments: an optimizer's state (opt.state), its entries for a cut parameter moved to
-    the new one and sliced the same way. Under FSDP2 each MoE layer's unit is rebuilt whole:
-    gathered, cut, prepare(layer) (what parallelize did to a layer before sharding it: activation
-    checkpointing, compile), sharded again, one layer at a time (scale.fsdp.replace_layer)."""
+    the new one and sliced the same way. Under FSDP2 each MoE layer's unit is rebuilt whole, one
+    layer at a time: the N-expert layer on the meta device, prepare(layer) (what parallelize_student
+    did to the old one: LoRA, checkpointing, compile), sharded, its shards made from the old shards
+    (scale.fsdp.replace_layer: no tensor gathered whole)."""
+    if kept is None:  # a checkpoint of the time the cut kept every expert until the export
+        raise E3Error("this checkpoint was saved after the cut by an E3-Pruner that kept the removed "
+                      "experts until the export: start the run again (or resume from before the cut)")
     kept = {int(l): sorted(e) for l, e in kept.items()}
     counts = {len(e) for e in kept.values()}
     if len(counts) != 1:
@@ -67,71 +71,58 @@ def cut_experts(model, kept, layers=None, moments=None, prepare=None):
         if not sharded:  # the block alone rebuilt, the layer around it the same object
             path = next(name for name, m in layer.named_modules() if m is moe.block)
             block = skeleton[moe.index].get_submodule(path)
-            _fill(block, moe.block, per_expert, index, moments, whole=False)
+            _fill(block, moe.block, per_expert, index, moments)
             owner, _, leaf = path.rpartition(".")
             setattr(layer.get_submodule(owner), leaf, block)
         else:
             from scale.fsdp import replace_layer
-            new, states = skeleton[moe.index], {}
-            _fill(new, layer, per_expert, index, moments, whole=True, states=states)
-            moved = replace_layer(model, moe.index, (prepare or (lambda x: x))(new), states)
-            if moments is not None:
-                moments.update(moved)
+            names = {id(m): name for name, m in layer.named_modules()}
+            dims = {f"{names[id(m)]}.{n}".lstrip("."): d for m, n, d in expert_tensors(moe)}
+            replace_layer(model, moe.index, (prepare or (lambda x: x))(skeleton[moe.index]),
+                          lambda name: (dims[name], index) if name in dims else None, moments)
     key, _ = expert_count(model.config)
     for cfg in {id(c): c for c in (model.config, *layer_configs(model.config, len(skeleton)))}.values():
         setattr(cfg.get_text_config(), key, n)  # in place: the model's config says N
     return model
 
 
-def _fill(new, old, per_expert, index, moments, whole, states=None):
-    """`new` (a module built on the meta device for N experts) given `old`'s tensors: a per-expert
-    one (per_expert[(id(module), name)] = its dim) sliced to `index` on its dim, every other the
-    same object, and (not whole) every child holding no per-expert tensor the same module (a shared
-    expert, with its LoRA). whole (FSDP2): every tensor gathered into a plain one, its optimizer
-    state (moments) gathered too and kept in states[qualified name], for the new shards."""
+def _fill(new, old, per_expert, index, moments):
+    """`new` (a block built on the meta device for N experts) given `old`'s tensors: a per-expert one
+    (per_expert[(id(module), name)] = its dim) sliced to `index` on its dim, its optimizer state
+    (moments) with it, every other tensor the same object, and every child holding no per-expert
+    tensor the same module (a shared expert, with its LoRA); each checked against the shape the
+    family builds for N experts."""
     owners = {m for m, _ in per_expert}
 
-    def walk(new, old, prefix):
+    def walk(new, old):
         for name, child in list(new.named_children()):
             mine = getattr(old, name)
-            if not whole and not any(id(m) in owners for m in mine.modules()):
+            if not any(id(m) in owners for m in mine.modules()):
                 setattr(new, name, mine)
             else:
-                walk(child, mine, f"{prefix}{name}.")
+                walk(child, mine)
         for table in ("_parameters", "_buffers"):
             for name in list(getattr(new, table)):
-                t = getattr(old, table)[name]
-                dim = per_expert.get((id(old), name))
-                if t is None:  # a registered None (a Linear without bias)
-                    getattr(new, table)[name] = None
-                    continue
-
-                def cut(x):  # gathered (FSDP2), then the kept experts' rows
-                    x = x.full_tensor() if hasattr(x, "full_tensor") else x
-                    return x if dim is None else x.index_select(dim, index.to(x.device))
-                value = cut(t.detach()) if dim is not None or whole else t
-                if isinstance(t, nn.Parameter) and value is not t:
-                    value = nn.Parameter(value, requires_grad=t.requires_grad)
-                    state = moments.pop(t, None) if moments is not None else None
-                    if state is not None:
-                        state = {k: cut(v) if torch.is_tensor(v) and v.shape == t.shape else v
-                                 for k, v in state.items()}
-                        if whole:
-                            states[prefix + name] = state
-                        else:
-                            moments[value] = state
+                t, dim = getattr(old, table)[name], per_expert.get((id(old), name))
+                if dim is not None:
+                    cut = t.detach().index_select(dim, index.to(t.device))
+                    if isinstance(t, nn.Parameter):
+                        cut = nn.Parameter(cut, requires_grad=t.requires_grad)
+                        state = moments.pop(t, None) if moments is not None else None
+                        if state is not None:  # AdamW's moments are per element: the kept rows
+                            moments[cut] = {k: v.index_select(dim, index.to(v.device))
+                                            if torch.is_tensor(v) and v.shape == t.shape else v
+                                            for k, v in state.items()}
+                    t = cut
                 built = getattr(new, table)[name]
-                if built is not None and tuple(built.shape) != tuple(value.shape):
-                    raise E3Error(f"{type(new).__name__}.{name}: the family builds {tuple(built.shape)} for "
-                                  f"fewer experts, the cut made {tuple(value.shape)}: experts/cut.py "
-                                  f"cannot rebuild this family's experts")
-                getattr(new, table)[name] = value
-        new.train(old.training)
-    walk(new, old, "")
-    if any(t.is_meta for t in [*new.parameters(), *new.buffers()]) and not any(
-            t.is_meta for t in [*old.parameters(), *old.buffers()]):
-        raise E3Error(f"{type(new).__name__} built for fewer experts holds a tensor the model's does "
-                      f"not: experts/cut.py cannot rebuild it")
+                if (built is None) != (t is None) or t is not None and tuple(built.shape) != tuple(t.shape):
+                    raise E3Error(f"{type(new).__name__}.{name}: the family builds "
+                                  f"{None if built is None else tuple(built.shape)} for fewer experts, the "
+                                  f"cut made {None if t is None else tuple(t.shape)}: experts/cut.py cannot "
+                                  f"rebuild this family's experts")
+                getattr(new, table)[name] = t
+        new.training = old.training
+    walk(new, old)
 
 
 def remove_experts(model, kept, layers=None):

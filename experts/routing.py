@@ -19,14 +19,17 @@ GraniteMoE), sigmoid + a score correction, group-limited top-k, renormalise, sca
 sigmoid of the top-k (Llama-4). Setting z_j = -inf before any of them gives softmax(z)_j = 0 and
 sigmoid(z_j) = 0 and leaves the others' softmax that over the E - 1 remaining logits: the top-k is
 taken among the others and renormalised exactly as the family would with expert j deleted. A
-per-expert score correction added to the choice (DeepSeek-V3's e_score_correction_bias, a buffer of
-E values) would still let j win a slot: it is set to -inf at j too. (With DeepSeek-V3's groups,
-n_group > 1, the group-limited top-k then runs on j's -inf: the model with j deleted has no such
-config, its groups would be uneven.) The logits are reached with a torch function mode
-(torch.overrides.TorchFunctionMode) active only while the router runs: the F.linear of output width
-E is the router's logits, masked as it returns; the family's own code does the rest.
-tests/test_experts.py checks the masked model against the model built by hand with expert j deleted
-(E - 1 in the config, its router row and weights gone), for every MoE family the project tests.
+per-expert score correction added to the choice (DeepSeek-V3's e_score_correction_bias on the
+router, MiniMax-M2's on the block, Ernie's [1, E] in a statistics module: every per-expert tensor
+of E values but the router's, expert_tensors' one reading) would still let j win a slot: it is set
+to -inf at j too, while the block runs. (With DeepSeek-V3's groups, n_group > 1, the group-limited
+top-k then runs on j's -inf: the model with j deleted has no such config, its groups would be
+uneven.) The logits are reached with a torch function mode (torch.overrides.TorchFunctionMode)
+active only while the router's linear map runs (the router, or its nn.Linear child: Hunyuan's
+gate.wg): its F.linear of output width E is the logits, masked as it returns; the family's own code
+does the rest. tests/test_experts.py checks the masked model against the model built by hand with
+expert j deleted (E - 1 in the config, its router row and weights gone), for every MoE family the
+project tests; tests/test_moe_families.py for every family transformers ships.
 
 Reading the routing. The gates g_j(x) a family applies are what its experts module is called with,
 in one of two conventions: experts(x [T, H], indices [T, k], weights [T, k]) (every family with
@@ -106,8 +109,9 @@ def moe_layers(model):
                 found.append(MoE(i, block, router, module, E, linear))
             elif leaf == "experts":
                 raise E3Error(f"layer {i}: '{name}' holds {E} experts but no router named "
-                              f"{' or '.join(ROUTER_NAMES)} with {E} rows sits beside it; "
-                              f"experts/routing.py finds a family's router by that name")
+                              f"{' or '.join(ROUTER_NAMES)} making {E} logits (a weight of {E} rows, or "
+                              f"one Linear of {E} outputs) sits beside it: experts/routing.py serves a "
+                              f"router that scores the routed experts alone")
     if not found:
         raise E3Error(f"{type(model).__name__} routes no tokens to experts (no decoder layer holds fused "
                       f"3-D expert weights beside a router): expert importance needs an MoE model")
@@ -162,13 +166,14 @@ def expert_tensors(moe):
 
 def corrections(moe):
     """The per-expert tensors the mask places beside the router's logits: each one of E floating
-    values outside the experts and the router's own weight and bias (a score correction added to the
-    choice: DeepSeek-V3's, Ernie's, MiniMax-M2's), set to -inf at a masked expert while the block
-    runs. A per-expert tensor that is neither an expert's weight, the router's F.linear, nor one of
-    these is one the mask cannot place: check_placeable refuses its family."""
+    values outside the experts and the router's linear map (a score correction added to the choice:
+    DeepSeek-V3's, Ernie's, MiniMax-M2's), set to -inf at a masked expert while the block runs. A
+    per-expert tensor that is neither an expert's weight, the router's logits, nor one of these is
+    one the mask cannot place: check_placeable refuses its family."""
+    lora = [m for name, m in moe.linear.named_modules() if "parametrizations" in name.split(".")]
+    inside = {id(m) for m in (*moe.experts.modules(), *lora)}  # a LoRA on the router's map
     return [(m, n, d) for m, n, d in expert_tensors(moe)
-            if m is not moe.experts and m not in moe.experts.modules()
-            and not (m is moe.linear and n in ("weight", "bias"))]
+            if id(m) not in inside and not (m is moe.linear and n in ("weight", "bias"))]
 
 
 def check_placeable(moe):
@@ -183,39 +188,48 @@ def check_placeable(moe):
                           f"expert unroutable in this family")
 
 
-def masked_block(moe, keep, own):
-    """A forward for `moe`'s block: `own` (its forward as found) with the experts where keep() [E]
-    is False unroutable: their router logits -inf before the family's choice (the one F.linear of
-    width E that runs inside the block) and every score correction (corrections(moe)) a masked copy,
-    -inf at them, while it runs. keep() None: `own` as it is. A block that makes no or several
-    outputs of width E with F.linear is refused with one line when it runs."""
+def masked_routing(moe, keep):
+    """The forwards that make the experts where keep() [E] is False unroutable in `moe`'s layer
+    (keep() None: every expert routable), as (module, make) pairs for forward_replaced: the router's
+    linear map, its E logits -inf there before the family's choice (a torch function mode active
+    while it runs: the one F.linear of width E it makes), and, where the family has score corrections,
+    the block, each a masked copy (-inf there) while the block runs. A linear map that makes no or
+    several outputs of width E is refused with one line when it runs."""
     placed = corrections(moe)
 
-    def forward(*args, **kwargs):
-        mask = keep()
-        if mask is None:
-            return own(*args, **kwargs)
-        mask = mask.detach() != 0  # bool [E]; a float 0/1 mask's values (no host sync)
-        found = []
-        for m, n, d in placed:
-            table = m._parameters if n in m._parameters else m._buffers
-            t = table[n]
-            shape = [1] * t.dim()
-            shape[d] = moe.E
-            found.append((table, n, t))
-            table[n] = t.detach().masked_fill(~mask.to(t.device).view(shape), float("-inf"))
-        try:
-            with _LogitMask(mask) as logits:
+    def logits(own):
+        def forward(*args, **kwargs):
+            mask = keep()
+            if mask is None:
+                return own(*args, **kwargs)
+            with _LogitMask(mask.detach() != 0) as found:  # bool [E] of 0/1 values, no host sync
                 out = own(*args, **kwargs)
-        finally:
-            for table, n, t in found:
-                table[n] = t
-        if logits.hits != 1:
-            raise E3Error(f"layer {moe.index}: {type(moe.block).__name__} made {logits.hits} outputs of "
-                          f"width {moe.E} with F.linear, not one (its router's logits): experts/routing.py "
-                          f"cannot make an expert unroutable in this family")
-        return out
-    return forward
+            if found.hits != 1:
+                raise E3Error(f"layer {moe.index}: {type(moe.linear).__name__} made {found.hits} outputs "
+                              f"of width {moe.E} with F.linear, not one (the router's logits): "
+                              f"experts/routing.py cannot make an expert unroutable in this family")
+            return out
+        return forward
+
+    def corrected(own):
+        def forward(*args, **kwargs):
+            mask = keep()
+            if mask is None:
+                return own(*args, **kwargs)
+            found = []
+            for m, n, d in placed:
+                table = m._parameters if n in m._parameters else m._buffers
+                t, shape = table[n], [1] * table[n].dim()
+                shape[d] = moe.E
+                found.append((table, n, t))
+                table[n] = t.masked_fill(~(mask.detach() != 0).to(t.device).view(shape), float("-inf"))
+            try:
+                return own(*args, **kwargs)
+            finally:
+                for table, n, t in found:
+                    table[n] = t
+        return forward
+    return [(moe.linear, logits)] + ([(moe.block, corrected)] if placed else [])
 
 
 @contextmanager
@@ -233,21 +247,24 @@ def forward_replaced(module, make):
 @contextmanager
 def expert_unroutable(moe, experts):
     """Inside the block, the router of `moe`'s layer never chooses `experts` (an index or several):
-    the top-k is taken among the others and renormalised as the family does (masked_block)."""
+    the top-k is taken among the others and renormalised as the family does (masked_routing)."""
     keep = torch.ones(moe.E, dtype=torch.bool)
     keep[sorted({experts} if isinstance(experts, int) else set(experts))] = False
-    with forward_replaced(moe.block, lambda own: masked_block(moe, lambda: keep, own)):
+    with ExitStack() as stack:
+        for module, make in masked_routing(moe, lambda: keep):
+            stack.enter_context(forward_replaced(module, make))
         yield
 
 
 class ExpertGates:
-    """The routed experts of the search and of the cut, a 0/1 mask per MoE layer, in routing: while
-    installed, each MoE layer moes[m] (row rows[m] of an [M, E] mask) routes with the mask
+    """The routed experts of the search, a 0/1 mask per MoE layer, in routing (the cut then removes
+    the others: experts/cut.py): while installed, each MoE layer moes[m] (row rows[m] of an [M, E]
+    mask) routes with the mask
 
-        `mask` in training mode when set (the search's draw), else `hard` (the set the cut keeps,
-        or would keep now; None: every expert)
+        `mask` in training mode when set (the search's draw), else `hard` (the set the cut would
+        keep now; None: every expert)
 
-    where m_j = 0 makes expert j unroutable (masked_block) and each chosen expert's gate is
+    where m_j = 0 makes expert j unroutable (masked_routing) and each chosen expert's gate is
     multiplied by m_j, 1 in value: the forward is the masked model's exactly, and the gradient
     dL/dm_j = sum over the tokens routed to j of g_j(x) <dL/dy, f_j(x)> reaches the scores through
     the straight-through mask (an unchosen expert has none: the routing adds no pass over the
@@ -259,8 +276,8 @@ class ExpertGates:
         self.mask = self.hard = None
         self.stack = ExitStack()
         for moe, row in zip(moes, rows):
-            self.stack.enter_context(forward_replaced(
-                moe.block, lambda own, moe=moe, row=row: masked_block(moe, lambda: self.row(moe, row), own)))
+            for module, make in masked_routing(moe, lambda moe=moe, row=row: self.row(moe, row)):
+                self.stack.enter_context(forward_replaced(module, make))
             self.stack.callback(moe.experts.register_forward_pre_hook(
                 lambda module, args, kwargs, moe=moe, row=row: _gated(moe, self.row(moe, row), args, kwargs),
                 with_kwargs=True).remove)

@@ -184,6 +184,9 @@ class ExpertSearch:
 
     def _prepare(self, layer):
         """What prune.parallelize_student did to a layer before FSDP2 sharded it, for a rebuilt one."""
+        if self.args.lora_rank:
+            from scale.lora import add_lora
+            add_lora(None, self.args.lora_rank, self.args.lora_alpha, self.args.seed, [layer])
         if self.args.activation_checkpointing not in (None, "none"):
             from scale.fsdp import apply_activation_checkpointing
             apply_activation_checkpointing(None, self.args.activation_checkpointing, [layer])

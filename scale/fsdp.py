@@ -31,6 +31,7 @@ CPU, release_freed_memory, as prune.py does for every scale-wing run there).
 """
 import ctypes
 import functools
+import math
 import types
 
 import torch
@@ -300,15 +301,17 @@ def drop_removed_layers(model):
                                    if all(m in alive for m in s._modules)]
 
 
-def replace_layer(model, i, layer, states=None):
-    """Decoder layer i, an FSDP2 unit, replaced by `layer` (a plain module, its full tensors on every
-    rank: one layer gathered, never the model), sharded as parallelize sharded the old one (its mesh,
-    mixed precision, reshard after forward, gloo's chunked collectives); states: {parameter name in
-    the layer: its optimizer state, gathered}, returned keyed by the new shards, each sharded as its
-    parameter. The root lists its units when it first runs (lazy init): that is redone at the next
-    forward, so that it lists the new unit and forgets the old."""
+def replace_layer(model, i, layer, rows, moments=None):
+    """Decoder layer i, an FSDP2 unit, replaced by `layer` (built on the meta device as parallelize
+    prepared the old one: LoRA, checkpointing, compile), sharded as the old one was (its mesh, mixed
+    precision, reshard after forward, gloo's chunked collectives), never a whole tensor on a rank:
+    rows(name) is (dim, index) for a tensor whose rows `index` of dim stay (an expert cut), else None;
+    each new shard is made from the old shards (_moved: the kept rows sent where the new sharding
+    places them), the optimizer's state `moments` of the old parameters moved to the new ones the
+    same way. The root lists its units when it first runs (FSDP2's lazy init, private to torch):
+    reset here, so that the next forward lists the new unit and forgets the old."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor
     from surgery import layers_owner
     owner, attr = layers_owner(model)
     old = getattr(owner, attr)[i]
@@ -319,18 +322,56 @@ def replace_layer(model, i, layer, states=None):
     if torch.distributed.get_backend() == "gloo":
         layer.set_custom_all_gather(ChunkedAllGather())
         layer.set_custom_reduce_scatter(ChunkedReduceScatter())
+    layer.to_empty(device=group.device)
+    params, buffers = dict(old.named_parameters()), dict(old.named_buffers())
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            src, cut = params[name], rows(name)
+            p.to_local().copy_(_moved(src, cut, p))
+            state_of = moments.pop(src, None) if moments is not None else None
+            if state_of is not None:
+                moments[p] = {k: DTensor.from_local(_moved(v, cut, p), p.device_mesh, p.placements,
+                                                    run_check=False, shape=p.shape, stride=p.stride())
+                              if isinstance(v, DTensor) and v.shape == src.shape else v
+                              for k, v in state_of.items()}
+        for name, b in layer.named_buffers():
+            cut = rows(name)
+            b.copy_(buffers[name] if cut is None else buffers[name].index_select(cut[0], cut[1].to(b.device)))
     getattr(owner, attr)[i] = layer
-    moved = {}
-    for name, p in layer.named_parameters():
-        if name in (states or {}):
-            moved[p] = {k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements)
-                        if torch.is_tensor(v) and v.shape == p.shape else v for k, v in states[name].items()}
-    root = model._get_fsdp_state()
-    for m in model.modules():
+    if layer.training != old.training:
+        layer.train(old.training)
+    if torch.cuda.is_available():  # no collective of the old units in flight when the root forgets them
+        torch.cuda.synchronize()
+    for m in model.modules():  # the next forward's root lazy init lists every unit again
         if isinstance(m, FSDPModule):
             m._get_fsdp_state()._is_root = None
-    root._state_ctx.all_states = []
-    return moved
+    model._get_fsdp_state()._state_ctx.all_states = []
+
+
+def _moved(x, cut, like):
+    """This rank's shard of `like` (a sharded parameter) from x (the old parameter's or a moment's
+    shard, DTensor): as it is (cut None), or its rows cut[1] of dim cut[0] stay. Sharded by rows
+    (Shard(0), FSDP2's) a rank r holds rows [r c, (r + 1) c), c = ceil(rows / ranks): each rank sends
+    the kept rows it holds to the rank that holds them after (all_to_all), a shard in, a shard out.
+    A tensor cut on another dim (a [1, E] score correction) is small: gathered and cut."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    if cut is None:
+        return x.to_local()
+    dim, index = cut
+    if dim != 0 or x.placements != (Shard(0),):
+        full = x.full_tensor().index_select(dim, index.to(x.device))
+        return distribute_tensor(full, like.device_mesh, like.placements).to_local()
+    r, R = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    c, n = -(-x.shape[0] // R), -(-len(index) // R)  # rows a rank holds, before and after
+    kept = index.tolist()
+    send = [[k - r * c for j, k in enumerate(kept) if k // c == r and j // n == s] for s in range(R)]
+    recv = [sum(1 for j, k in enumerate(kept) if k // c == q and j // n == r) for q in range(R)]
+    local, row = x.to_local(), math.prod(x.shape[1:])
+    out = local.new_empty(sum(recv), *x.shape[1:])
+    taken = local[torch.tensor(sum(send, []), dtype=torch.long, device=local.device)].contiguous()
+    torch.distributed.all_to_all_single(out.view(-1), taken.view(-1), [q * row for q in recv],
+                                        [len(s) * row for s in send])
+    return out
 
 
 def full_state_dict(model):

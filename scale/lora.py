@@ -17,11 +17,12 @@ ROUTERS = ("gate", "router", "shared_expert_gate")
 
 def lora_targets(layer):
     """The nn.Linear maps of a decoder layer that LoRA adapts: attention and the dense or
-    shared-expert MLP. Not the routers (a low-rank change reroutes tokens between experts the
-    adapters never see); routed experts are fused 3-D tensors in transformers 5, not nn.Linear, and
-    stay frozen (their LoRA is optional in the paper)."""
+    shared-expert MLP. Not the routers nor anything inside one (Hunyuan's gate.wg, AFMoE's
+    router.gate: a low-rank change reroutes tokens between experts the adapters never see); routed
+    experts are fused 3-D tensors in transformers 5, not nn.Linear, and stay frozen (their LoRA is
+    optional in the paper)."""
     return [mod for name, mod in layer.named_modules()
-            if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] not in ROUTERS]
+            if isinstance(mod, nn.Linear) and not set(name.split(".")) & set(ROUTERS)]
 
 
 class LoRA(nn.Module):
@@ -41,12 +42,13 @@ class LoRA(nn.Module):
         return weight + self.scale * (self.B @ self.A).to(weight.dtype)
 
 
-def add_lora(model, rank, alpha, seed):
-    """Freeze every weight; adapters on the decoder layers' lora_targets are all that train."""
+def add_lora(model, rank, alpha, seed, layers=None):
+    """Freeze every weight; adapters on the decoder layers' lora_targets are all that train. layers:
+    these alone (a layer rebuilt after the expert cut: its adapters then take the old ones' values)."""
     gen = torch.Generator().manual_seed(seed)
-    for p in model.parameters():
+    for p in (model.parameters() if layers is None else (p for l in layers for p in l.parameters())):
         p.requires_grad_(False)
-    for layer in decoder_layers(model):
+    for layer in decoder_layers(model) if layers is None else layers:
         for mod in lora_targets(layer):
             parametrize.register_parametrization(mod, "weight", LoRA(mod.weight, rank, alpha, gen))
             mod.parametrizations.weight.original.requires_grad_(False)

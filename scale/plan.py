@@ -632,7 +632,7 @@ def phase_plan(args, phase, ranks, kinds, measured, first=None):
     and for each kind of card choose()'s micro-batch, checkpointing, chunk and bytes a rank on
     `ranks`, and the fewest ranks on which the phase fits (min_ranks from 1; None: none up to the
     batch). first: on_card()'s entries for this phase ({kind: entry}), where plan() made them."""
-    from experts.search import expert_count
+    from experts.routing import expert_count
     model = phase.model
     params = sum(p.numel() for p in model.parameters())
     entry = {"steps": phase.steps, "layers": len(decoder_layers(model)),
@@ -726,7 +726,7 @@ def state_line(args, ranks, model, L):
     after = state_bytes(cut.parameters(), ranks) / GB
     n = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    from experts.search import expert_count
+    from experts.routing import expert_count
     E, N = expert_count(model.config)[1], expert_count(cut.config)[1]
     what = f"{L} -> {args.keep} layers" + (f", {E} -> {N} experts a MoE layer" if E != N else "")
     when = (f"{search:.3g} GB/rank in the search, {after:.3g} GB/rank after the cut ({what})"

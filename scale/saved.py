@@ -26,10 +26,18 @@ log-sum-exp, a router's logits over E experts, top-k indices). With every width 
 (w, S1), (2 w, S1) and (w, 2 S1) give A, B and C, and bytes(1, S) is the model's at sequence length
 S. A third point each way, (w / 2, S1) and (w, S1 / 2), checks that the instances are on that line
 (a head_dim of 3, a rotary fraction of it rounded down: the next, twice as wide; the narrower one
-unchecked where a kernel's alignment refuses it); an instance of more than MAX_PARAMS parameters is
-not built. A width this module does not know to scale stays at its size: its term lands in B,
-measured at full width, and the figure is as exact. The layers: one of each kind (surgery's layer signature: module types, shapes, per-layer
-settings), the config cut to those with surgery.pruned_config.
+unchecked where a kernel's alignment refuses it: grouped_mm's rows of 16 bytes); an instance of more
+than MAX_PARAMS parameters is not built. f: the largest power of two, at most 64, that leaves every
+width of the narrower instance (2 f) a whole number of at least 2, a head's among them where the
+config derives it as hidden / heads. A head 1 wide is off the line, and would go unseen as the
+narrowest instance (the narrower one, 0 wide, does not build): RoPE's cos and sin, a pair wide,
+broadcast it, q and k come out 2 wide and v 1, and SDPA runs its math kernel, which keeps the s x s
+probabilities (OLMoE at hidden 1024, 16 heads, f = 64: -50,496 B a token planned, 201,152 saved).
+A model whose counted layers hold at most SMALL_PARAMS parameters is counted at its own widths,
+f = 1: exact, at about the instances' cost. A width this module does not know to scale stays at
+its size: its term lands in B, measured at full width, and the figure is as exact. The layers: one
+of each kind (surgery's layer signature: module types, shapes, per-layer settings), the config cut
+to those with surgery.pruned_config.
 
 The instance runs in the run's precisions: r the residual stream's bytes (fp32 master weights under
 bf16 autocast in one process, r = 4; bf16 weights, FSDP2's, r = 2), c the matmuls' (2 under autocast
@@ -50,6 +58,7 @@ from surgery import LayerGates, _layer_signature, decoder_layers, pruned_config
 ROUTERS = ("gate", "router")  # a MoE layer's router (its weight, bias, score correction)
 VOCAB = 512  # the instances' vocabulary
 MAX_PARAMS = 500e6  # the largest instance counted (2 GB in fp32)
+SMALL_PARAMS = 2e6  # a model whose counted layers hold no more: counted at its own widths
 S1 = 64  # the smaller instance's sequence length (the other 2 S1)
 WINDOWS = ("sliding_window", "attention_chunk_size")  # attend within a window: a mask past it
 WIDTH_NAMES = ("hidden_size", "head_dim", "n_embd", "n_inner", "ffn_dim", "word_embed_proj_dim",
@@ -165,13 +174,19 @@ def count(model, batch, seq, autocast, search=False):
     return saved, selective
 
 
+def instance_params(cfg):
+    """The parameters of the model of `cfg` (built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).parameters())
+
+
 def per_token(config, kept, f, seqs, r, c, seq_len):
     """{seq: per layer of the instance, (saved, saved in the search, selective) bytes a token, the
     slope from 1 to 2 sequences of seq tokens} for each of `seqs`, the instance built once."""
     from transformers import AutoModelForCausalLM
     cfg = instance_config(config, kept, f, seq_len)
-    with torch.device("meta"):
-        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).parameters())
+    n = instance_params(cfg)
     if n > MAX_PARAMS:
         raise NotCounted(f"{config.model_type}: its activations could not be counted: the instance "
                          f"would hold {n / 1e6:,.0f}M parameters")
@@ -225,13 +240,19 @@ def _measure(config, r, c, seq_len):
         first.setdefault(kind, i)
     kept = sorted(first.values())
     text = config.get_text_config()
+    sizes = widths(text)
+    hidden, heads = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)
+    if getattr(text, "head_dim", None) is None and hidden and heads and hidden % heads == 0:
+        sizes["head_dim"] = hidden // heads  # derived: it shrinks with hidden, and must stay 2 wide
 
     def valid(f):  # the widths / f: each a whole number, at least 2
-        return all(v % f == 0 and v // f >= 2 for v in widths(text).values())
+        return all(v % f == 0 and v // f >= 2 for v in sizes.values())
     f = 128
     while f > 1 and not valid(f):
         f //= 2
     f, why = max(1, f // 2), None  # 2 f stays valid: the narrowest instance checks the others
+    if instance_params(instance_config(config, kept, 1, seq_len)) <= SMALL_PARAMS:
+        f = 1  # small: the model's own widths
 
     def narrower(f):  # the instance at 2 f, or None where it does not run (a kernel's alignment
         try:  # of its rows: grouped_mm's 16 bytes): then the widths' line is not checked

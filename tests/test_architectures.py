@@ -392,12 +392,14 @@ def saved(tmp_path_factory, tokenizer):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, extra", [("deepseek_v3", []), ("qwen2_moe", ["--lora-rank", "4"]),
-                                         ("gpt_oss", ["--experts-keep", "2"])])
+                                         ("gpt_oss", ["--experts-keep", "2"]),
+                                         ("qwen2_moe", ["--lora-rank", "4", "--experts-keep", "2"])])
 def test_moe_two_fsdp_ranks_match_one_process(arch, extra, saved, corpus, tmp_path, monkeypatch):  # noqa: F811
     """prune.py end to end on MoE models (KL importance, Gumbel search, removal, AKD, export): 2
     gloo ranks under FSDP2 == 1 process; Qwen2-MoE with LoRA on attention and the dense/shared MLPs;
     GPT-OSS with its experts searched and cut too (experts/: the scores' gradient averaged over the
-    ranks, the sharded experts unroutable after the cut, sliced at the export). The export reloads
+    ranks, each MoE layer's unit rebuilt at the cut, shard to shard), and Qwen2-MoE's with LoRA (the
+    rebuilt units' adapters and their moments carried). The export reloads
     with every weight in place."""
     one, two = tmp_path / "one", tmp_path / "two"
     run_here(tiny_args(saved(arch), corpus, one, *extra), tmp_path, monkeypatch)

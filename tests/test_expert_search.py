@@ -463,8 +463,13 @@ def test_the_cut_frees_the_removed_experts_and_their_adam_state(search, saved, c
 
     def cut(model, opt, search_, args):  # every tensor of the unpruned model, weakly, at the cut
         seen["before"] = [weakref.ref(p) for p in model.parameters()]
+        seen["moments"] = {n: {k: v.clone() for k, v in opt.state[p].items()}
+                           for n, p in model.named_parameters() if p in opt.state}
+        seen["shared"] = {n: weakref.ref(p) for n, p in model.named_parameters() if "shared_expert" in n}
         kept, new = found(model, opt, search_, args)
         seen["model"], seen["opt"] = model, new
+        seen["after"] = {n: {k: v.clone() for k, v in new.state[p].items()}
+                         for n, p in model.named_parameters() if p in new.state}
         return kept, new
     monkeypatch.setattr(prune, "prune_to_top_k", cut)
     steps = []
@@ -490,6 +495,23 @@ def test_the_cut_frees_the_removed_experts_and_their_adam_state(search, saved, c
     reference = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     assert sum(p.numel() for p in model.parameters()) == reference
     assert steps[-1] == 2 * reference  # exp_avg and exp_avg_sq of every weight the fine-tune trains
+    # the moments carried: a kept expert's rows are its own, the rest the same tensors (Adam's state
+    # at the cut: none before a step (--search none), else the search's)
+    info = json.loads((out / "model" / "pruning.json").read_text())
+    layer_of = {str(new): str(old) for new, old in enumerate(kept)}
+    for name, state in seen["after"].items():
+        old_name = re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{layer_of[m.group(1)]}.", name)
+        before = seen["moments"][old_name]
+        for k, v in state.items():
+            if v.dim() and v.shape != before[k].shape:  # a per-expert tensor: the kept experts' rows
+                v0 = before[k].index_select(0, torch.tensor(info["kept_experts"][layer_of[name.split(".")[2]]]))
+                torch.testing.assert_close(v, v0, rtol=0, atol=0)
+            else:
+                torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    assert len(seen["after"]) == (len(seen["moments"]) and sum(p.requires_grad for p in model.parameters()))
+    now = dict(model.named_parameters())  # the shared expert: the same objects, renumbered
+    assert all(p() is now[re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{kept.index(int(m.group(1)))}.", n)]
+               for n, p in seen["shared"].items() if int(n.split(".")[2]) in kept)
     assert sum(p.grad is not None for p in model.parameters()) == 0 or all(
         p.grad.shape == p.shape for p in model.parameters() if p.grad is not None)
 

@@ -119,3 +119,24 @@ if __name__ == "__main__":  # the table of docs/architectures.md
         except Exception as e:  # noqa: BLE001
             kind, why = "WRONG", f"{type(e).__name__}: {str(e).splitlines()[0]}"
         print(f"| {mt} | {kind} | {why[:200]} |", flush=True)
+
+
+def test_a_router_s_linear_child_gets_no_lora_and_masks_with_finite_gradients():
+    """Hunyuan's router computes its logits in a child nn.Linear (gate.wg): LoRA leaves it alone (no
+    adapter rerouting tokens), the mask finds it, and a masked training step's gradients are finite
+    (an adapter's rows set to -inf as if a score correction would make them NaN)."""
+    from scale.lora import add_lora
+    model, _ = instance("hunyuan_v1_moe")
+    add_lora(model, 2, 4.0, 0)
+    assert not [n for n, _ in model.named_parameters() if ".gate." in n and "lora" in n.lower()]
+    assert not [n for n, _ in model.named_parameters() if "gate.wg.parametrizations" in n]
+    moes = moe_layers(model)
+    assert all(type(m.linear).__name__ == "Linear" for m in moes)
+    gates = ExpertGates(moes, list(range(len(moes))))
+    gates.mask = torch.ones(len(moes), E).index_fill_(1, torch.tensor([1, 5]), 0.0).requires_grad_()
+    model.train()
+    x = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(2))
+    model(x, use_cache=False).logits.square().mean().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None] + [gates.mask.grad]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    gates.remove()

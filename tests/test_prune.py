@@ -690,7 +690,8 @@ def test_a_training_step_reads_the_device_once_whatever_its_micro_batches():
 def test_a_run_resumes_whatever_its_micro_batch_checkpointing_or_compile(tmp_path):
     """The objective (the global batch's mean) does not depend on the micro-batch, the activation
     checkpointing or compile, and a GPU's plan picks the first two per card: a run folder resumes
-    with other values, also one written before --compile existed; a changed lr is another run."""
+    with other values, also one written before --compile existed; a changed lr is another run, a
+    flag the folder predates is its default (other than the default: another run)."""
     import prune
     from runtime import E3Error
     base = ["--model", "m", "--keep", "2", "--micro-batch", "2"]
@@ -704,8 +705,9 @@ def test_a_run_resumes_whatever_its_micro_batch_checkpointing_or_compile(tmp_pat
     with pytest.raises(E3Error, match=r"different run \(lr: 0.0001 -> 0.001\)"):
         prune.Run(tmp_path / "r", prune.run_identity(prune.parse_args(base + ["--lr", "1e-3"])), 0, True)
     run_json.write_text(json.dumps({k: v for k, v in older.items() if k != "expert_init"}))
-    with pytest.raises(E3Error, match=r"different run \(expert_init: not in its run.json -> 'kl'\)"):
-        prune.Run(tmp_path / "r", prune.run_identity(prune.parse_args(base)), 0, True)
+    prune.Run(tmp_path / "r", prune.run_identity(prune.parse_args(base)), 0, True)  # its default: resumes
+    with pytest.raises(E3Error, match=r"different run \(expert_init: 'kl' -> 'reap'\)"):
+        prune.Run(tmp_path / "r", prune.run_identity(prune.parse_args(base + ["--expert-init", "reap"])), 0, True)
 
 
 def test_a_tokenizer_with_more_ids_than_the_embedding_is_refused_before_any_work(tmp_path, tokenizer):
