@@ -192,16 +192,17 @@ def masked_routing(moe, keep):
     """The forwards that make the experts where keep() [E] is False unroutable in `moe`'s layer
     (keep() None: every expert routable), as (module, make) pairs for forward_replaced: the router's
     linear map, its E logits -inf there before the family's choice (a torch function mode active
-    while it runs: the one F.linear of width E it makes), and, where the family has score corrections,
-    the block, each a masked copy (-inf there) while the block runs. A linear map that makes no or
-    several outputs of width E is refused with one line when it runs."""
-    placed = corrections(moe)
+    while it runs: the one F.linear of width E it makes), and the block: the score corrections, each
+    a masked copy (-inf there), while it runs. A linear map that makes no or several outputs of width
+    E, or a block that never calls it (its logits made another way), is refused with one line."""
+    placed, calls = corrections(moe), [0]
 
     def logits(own):
         def forward(*args, **kwargs):
             mask = keep()
             if mask is None:
                 return own(*args, **kwargs)
+            calls[0] += 1
             with _LogitMask(mask.detach() != 0) as found:  # bool [E] of 0/1 values, no host sync
                 out = own(*args, **kwargs)
             if found.hits != 1:
@@ -216,7 +217,7 @@ def masked_routing(moe, keep):
             mask = keep()
             if mask is None:
                 return own(*args, **kwargs)
-            found = []
+            found, calls[0] = [], 0
             for m, n, d in placed:
                 table = m._parameters if n in m._parameters else m._buffers
                 t, shape = table[n], [1] * table[n].dim()
@@ -224,12 +225,17 @@ def masked_routing(moe, keep):
                 found.append((table, n, t))
                 table[n] = t.masked_fill(~(mask.detach() != 0).to(t.device).view(shape), float("-inf"))
             try:
-                return own(*args, **kwargs)
+                out = own(*args, **kwargs)
             finally:
                 for table, n, t in found:
                     table[n] = t
+            if not calls[0]:
+                raise E3Error(f"layer {moe.index}: {type(moe.block).__name__} never called "
+                              f"{type(moe.linear).__name__} for its logits: experts/routing.py cannot make "
+                              f"an expert unroutable in this family")
+            return out
         return forward
-    return [(moe.linear, logits)] + ([(moe.block, corrected)] if placed else [])
+    return [(moe.linear, logits), (moe.block, corrected)]
 
 
 @contextmanager

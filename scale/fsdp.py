@@ -327,12 +327,15 @@ def replace_layer(model, i, layer, rows, moments=None):
     with torch.no_grad():
         for name, p in layer.named_parameters():
             src, cut = params[name], rows(name)
+            if p.dtype != src.dtype:
+                raise E3Error(f"{name}: the rebuilt layer holds {p.dtype}, the model {src.dtype}")
             p.to_local().copy_(_moved(src, cut, p))
+            p.requires_grad_(src.requires_grad)
             state_of = moments.pop(src, None) if moments is not None else None
             if state_of is not None:
                 moments[p] = {k: DTensor.from_local(_moved(v, cut, p), p.device_mesh, p.placements,
                                                     run_check=False, shape=p.shape, stride=p.stride())
-                              if isinstance(v, DTensor) and v.shape == src.shape else v
+                              if torch.is_tensor(v) and v.shape == src.shape else v
                               for k, v in state_of.items()}
         for name, b in layer.named_buffers():
             cut = rows(name)
@@ -353,15 +356,18 @@ def _moved(x, cut, like):
     shard, DTensor): as it is (cut None), or its rows cut[1] of dim cut[0] stay. Sharded by rows
     (Shard(0), FSDP2's) a rank r holds rows [r c, (r + 1) c), c = ceil(rows / ranks): each rank sends
     the kept rows it holds to the rank that holds them after (all_to_all), a shard in, a shard out.
-    A tensor cut on another dim (a [1, E] score correction) is small: gathered and cut."""
+    A tensor cut on another dim (a [1, E] score correction) is small: gathered and cut. The rows
+    kept in increasing order (the received ones arrive by source rank)."""
     from torch.distributed.tensor import Shard, distribute_tensor
     if cut is None:
         return x.to_local()
     dim, index = cut
+    assert index.tolist() == sorted(set(index.tolist())), "the kept rows, increasing"
     if dim != 0 or x.placements != (Shard(0),):
         full = x.full_tensor().index_select(dim, index.to(x.device))
         return distribute_tensor(full, like.device_mesh, like.placements).to_local()
-    r, R = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    mesh = x.device_mesh  # FSDP2's one-dimensional mesh: its ranks and group, not the world's
+    r, R, group = mesh.get_local_rank(), mesh.size(), mesh.get_group()
     c, n = -(-x.shape[0] // R), -(-len(index) // R)  # rows a rank holds, before and after
     kept = index.tolist()
     send = [[k - r * c for j, k in enumerate(kept) if k // c == r and j // n == s] for s in range(R)]
@@ -370,7 +376,7 @@ def _moved(x, cut, like):
     out = local.new_empty(sum(recv), *x.shape[1:])
     taken = local[torch.tensor(sum(send, []), dtype=torch.long, device=local.device)].contiguous()
     torch.distributed.all_to_all_single(out.view(-1), taken.view(-1), [q * row for q in recv],
-                                        [len(s) * row for s in send])
+                                        [len(s) * row for s in send], group=group)
     return out
 
 

@@ -140,3 +140,21 @@ def test_a_router_s_linear_child_gets_no_lora_and_masks_with_finite_gradients():
     grads = [p.grad for p in model.parameters() if p.grad is not None] + [gates.mask.grad]
     assert grads and all(torch.isfinite(g).all() for g in grads)
     gates.remove()
+
+
+def test_a_block_that_never_calls_its_router_is_refused_not_unmasked():
+    """A block that makes its logits from the router's weight without calling the router (its own
+    F.linear): the mask cannot act there, and says so in one line instead of routing unmasked."""
+    from experts.routing import expert_unroutable
+    model, _ = instance("qwen3_moe")
+    moe = moe_layers(model)[0]
+    block = moe.block
+
+    def forward(h):  # the family's block, its router's work inlined
+        x = h.reshape(-1, h.shape[-1])
+        top = torch.nn.functional.linear(x, block.gate.weight).softmax(-1).topk(2, dim=-1)
+        return block.experts(x, top.indices, top.values / top.values.sum(-1, keepdim=True)).view_as(h)
+    block.forward = forward
+    x = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), expert_unroutable(moe, 0), pytest.raises(E3Error, match="never called"):
+        model(x, use_cache=False)
