@@ -343,21 +343,11 @@ def teacher_targets(model, input_ids, vocab, topk, logit_chunk=0, samples=0, gen
     for z in chunks:
         for z in z.split(64 if z.device.type == "cpu" else 4096):
             found, logp = stats(z[:, :vocab], topk, samples > 0)  # padding rows past the tokenizer go
-            if samples:  # x_j ~ p_t (or ~ its rest), with replacement: an unbiased picture of it
-                p = logp.exp().scatter_(-1, found["topk_ids"], 0) if topk else logp.exp()
-                p[p.sum(-1) == 0] = 1  # no rest left (all mass in the top-K): its weight is 0
-                found["sample_ids"] = torch.multinomial(p, samples, True, generator=generator)
+            if samples:  # x_j ~ p_t, or ~ its rest (baselines/targets.py)
+                from baselines.targets import draw
+                found["sample_ids"] = draw(logp, found.get("topk_ids"), samples, generator)
             out.append(found)
     return {k: torch.cat([f[k] for f in out]).view(B, T, *v.shape[1:]) for k, v in out[0].items()}
-
-
-def shard_generator(identity, split_name, j, device):
-    """A sampled cache's draws for shard j, seeded by the cache and the shard: a shard recomputed
-    after a kill, or on another rank, draws the same tokens."""
-    if identity.get("samples"):
-        key = f"{identity['sample_seed']}/{split_name}/{j}".encode()
-        seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
-        return torch.Generator(device).manual_seed(seed)
 
 
 class ShardWriter:
@@ -406,7 +396,10 @@ def compute_shards(model, jobs, out, identity, batch_size, bar=None, logit_chunk
     writer, tokens = ShardWriter(identity, str(dtype).removeprefix("torch.")), 0
     try:
         for (split_name, j), seqs, beside in jobs:
-            parts, gen = [], shard_generator(identity, split_name, j, device)
+            parts, gen = [], None
+            if samples:  # the draws' generator, seeded by the cache and the shard
+                from baselines.targets import shard_generator
+                gen = shard_generator(identity, split_name, j, device)
             for batch in seqs.split(batch_size):
                 targets = teacher_targets(model, batch.to(device), vocab, topk, logit_chunk, samples, gen)
                 parts.append({k: v.cpu() for k, v in targets.items()})

@@ -16,21 +16,15 @@ whose next token is the assistant's (kd.positions). With K = V, L_token is the f
 Each token's sum runs over the teacher's top K only: the loss has no term for the student's mass
 on the other V - K tokens, and its minimum, p_s,c = p_t,c / sum_K p_t, puts none there.
 
-Beyond the paper, targets without that bias (kd.TARGETS; each batch's "targets" names its kind):
-  tail     K + 1 classes: the top-K and the rest lumped, 1 - sum_K p_t against the student's own
-           mass off those K (prune.py --kd-tail, any top-K cache)
-  sampled  N raw draws a position x_j ~ p_t, repeats kept (cache_teacher.py --targets sampled):
-           the KL from their empirical distribution, whose gradient is the full KL's in
-           expectation, as in Anshumann et al.'s "Sparse Logit Sampling" (arXiv 2503.16870), which
-           stores the distinct tokens of more draws with their weights instead
-  hybrid   the top-K exactly, N draws from the rest (--targets hybrid): eq. 12's sum + r_t times the
-           rest's sampled KL, r_t = 1 - sum_K p_t; unbiased, the variance ~r_t^2 times sampled's
-  full     the teacher's whole distribution, run beside the student (--kd-full, one process)
-AKD's weight H_t is the teacher's full-softmax entropy whichever targets (eq. 13).
+Beyond the paper, targets without that bias (kd.TARGETS: tail, sampled, hybrid, full; each batch's
+"targets" names its kind): baselines/targets.py. AKD's weight H_t is the teacher's full-softmax
+entropy whichever targets (eq. 13).
 
 Under torchrun (or --logit-chunk) the LM head runs fused with these losses (scale/fused_loss.py),
 checked against the functions here at its first call: a loss it does not implement is refused.
 """
+import importlib
+
 import torch
 import torch.nn.functional as F
 
@@ -61,49 +55,19 @@ def token_kl(logp_s, topk_ids, topk_logprobs):
     return (logp_t.exp() * (logp_t - logp_s.gather(-1, topk_ids))).sum(-1)
 
 
-def rest_mass(topk_logprobs):  # r_t = 1 - the teacher's top-K mass, from the stored (rounded) top-K
-    return (1 - topk_logprobs.float().exp().sum(-1)).clamp(min=0)
-
-
-def tail_token_kl(logp_s, topk_ids, topk_logprobs):
-    """L_token over K + 1 classes: eq. 12's sum, plus r_t (log r_t - log r_s) for the V - K tokens
-    off the teacher's top-K lumped, r = 1 - the top-K's mass. The student's r_s is fp32's 1 - Q,
-    exact to ~1e-7 and stopped at 1e-7 (16 nats per unit of r_t): summing the V - K tokens
-    themselves would cost a second pass over the logits (10% of a training step)."""
-    rest_s = torch.log1p(-logp_s.gather(-1, topk_ids).exp().sum(-1).clamp(max=1 - 1e-7))
-    rest_t = rest_mass(topk_logprobs)
-    return token_kl(logp_s, topk_ids, topk_logprobs) + torch.xlogy(rest_t, rest_t) - rest_t * rest_s
-
-
-def sampled_token_kl(logp_s, sample_ids):
-    """L_token against the empirical distribution of N draws x_j: KL = 1/N sum_j (log(m_j / N) -
-    log p_s(x_j)), m_j how many of the N draws are x_j (a token drawn m times counts m times)."""
-    m = (sample_ids[..., :, None] == sample_ids[..., None, :]).sum(-1)
-    return ((m / sample_ids.shape[-1]).log() - logp_s.gather(-1, sample_ids)).mean(-1)
-
-
-def hybrid_token_kl(logp_s, topk_ids, topk_logprobs, sample_ids):
-    """L_token against the top-K exactly and the rest by its draws x_j ~ p_t(. | off the top-K):
-    sum_K p_t,c (log p_t,c - log p_s,c) + r_t/N sum_j (log(r_t m_j / N) - log p_s(x_j))."""
-    rest_t = rest_mass(topk_logprobs)
-    return token_kl(logp_s, topk_ids, topk_logprobs) + torch.xlogy(rest_t, rest_t) \
-        + rest_t * sampled_token_kl(logp_s, sample_ids)
-
-
-def full_token_kl(logp_s, teacher_logits):
-    """L_token over the whole vocabulary: KL(p_t || p_s) = sum_v p_t,v (log p_t,v - log p_s,v); a
-    masked teacher entry (logit -inf) adds 0 log 0 = 0."""
-    logp_t = F.log_softmax(teacher_logits.float(), dim=-1)
-    return (logp_t.exp() * (logp_t.clamp(min=torch.finfo(logp_t.dtype).min) - logp_s)).sum(-1)
+def beyond():  # the targets beside the paper's (baselines/targets.py), imported when a batch has them
+    return importlib.import_module("baselines.targets")
 
 
 # L_token of each kind of teacher targets: fn(the student's log-probs (B, T, V), batch) -> (B, T)
 TARGETS = {
     "topk": lambda lp, b: token_kl(lp, b["topk_ids"], b["topk_logprobs"]),
-    "tail": lambda lp, b: tail_token_kl(lp, b["topk_ids"], b["topk_logprobs"]),
-    "sampled": lambda lp, b: sampled_token_kl(lp, b["sample_ids"]),
-    "hybrid": lambda lp, b: hybrid_token_kl(lp, b["topk_ids"], b["topk_logprobs"], b["sample_ids"]),
-    "full": lambda lp, b: full_token_kl(lp, b["teacher_logits"][..., :lp.shape[-1]])}
+    "tail": lambda lp, b: token_kl(lp, b["topk_ids"], b["topk_logprobs"])
+    + beyond().tail_term(lp, b["topk_ids"], b["topk_logprobs"]),
+    "sampled": lambda lp, b: beyond().sampled_token_kl(lp, b["sample_ids"]),
+    "hybrid": lambda lp, b: token_kl(lp, b["topk_ids"], b["topk_logprobs"])
+    + beyond().hybrid_term(lp, b["topk_logprobs"], b["sample_ids"]),
+    "full": lambda lp, b: beyond().full_token_kl(lp, b["teacher_logits"][..., :lp.shape[-1]])}
 
 
 def kd_loss(student_logits, batch, weighted):

@@ -207,21 +207,28 @@ def build_student(args, device, world, resumed=None):
 def parallelize_student(model, args, device, world):
     """All that makes the model fast or small, in one place (torchtitan's parallelize): LoRA,
     checkpointing, compile if asked; FSDP2 under torchrun. The training step never asks which."""
-    if args.lora_rank:  # before sharding: FSDP shards the adapters with their layers
-        from scale.lora import add_lora
-        add_lora(model, args.lora_rank, args.lora_alpha, args.seed)
-    if args.activation_checkpointing != "none":
-        from scale.fsdp import apply_activation_checkpointing
-        apply_activation_checkpointing(model, args.activation_checkpointing)
-    if args.compile:  # each layer its own graph, before FSDP2 wraps it: the names stay the same
-        from scale.compile import compile_layers
-        compile_layers(model)
+    prepare_layers(args, model)
     if world == 1 and not args.logit_chunk:
         return model.to(device).train()
     # FSDP2: `for layer in decoder_layers(model): fully_shard(layer)`, then `fully_shard(model)`,
     # with the memory machinery of docs/scale.md (vocabulary-parallel head, rank-0 loading, ...)
     from scale.fsdp import parallelize
     return parallelize(model, device, fused_loss=bool(args.logit_chunk)).train()
+
+
+def prepare_layers(args, model, layers=None):
+    """What a decoder layer gets before FSDP2 shards it, on every layer of `model` or on `layers`
+    alone (a layer the expert cut rebuilt: experts/cut.py); returns the layers."""
+    if args.lora_rank:  # before sharding: FSDP shards the adapters with their layers
+        from scale.lora import add_lora
+        add_lora(model, args.lora_rank, args.lora_alpha, args.seed, layers)
+    if args.activation_checkpointing not in (None, "none"):
+        from scale.fsdp import apply_activation_checkpointing
+        apply_activation_checkpointing(model, args.activation_checkpointing, layers)
+    if args.compile:  # each layer its own graph, before FSDP2 wraps it: the names stay the same
+        from scale.compile import compile_layers
+        compile_layers(model, layers)
+    return layers
 
 
 def make_optimizer(model, args, carried=None):
@@ -742,7 +749,7 @@ def main(argv=None):
     search = registered(SEARCHES, args.search)(S0, args, L, T, protected, args.device)
     if args.experts_keep:  # and each MoE layer's routed experts, in the same steps (experts/)
         search = importlib.import_module("experts.search").ExpertSearch(search, model, args, vocab, partial(
-            calibration_batches, args, tok, cache), run.log)
+            calibration_batches, args, tok, cache), run.log, partial(prepare_layers, args, None))
     if args.guard:  # the cut's set: the best by held-out KL of the last ones visited (baselines/)
         guard = importlib.import_module("baselines.guard").CutGuard  # scored as the run validates
         search = guard(search, model, search_cache, losses, run.log, validate)

@@ -10,6 +10,8 @@ The methods E3-Pruner is compared with, off its path. prune.py's registries name
   reverse.py    Lu et al.'s reverse order (--init reverse --search none --protect-last 0: the last
                 layers go) and their partial fine-tune (--train-last 3: the head, the final norm
                 and the last three kept layers trained, the rest frozen)
+  targets.py    teacher targets beside the paper's top-K (kd.TARGETS): the K + 1-class tail, draws
+                from the softmax (sampled) or from the rest of it (hybrid), the full distribution
   guard.py      the guard of the cut (--guard N): of the last N sets the search visited and S_0's,
                 the one with the least top-K KL to the teacher on the search text's held-out end
 

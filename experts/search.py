@@ -97,10 +97,13 @@ class ExpertSearch:
     micro-batch j's expert draw on the gates and returns the layers' mask; step() moves both scores;
     cut() freezes the experts' set. S (the layers' scores) stays the wrapped search's."""
 
-    def __init__(self, search, model, args, vocab, calibration, log):
-        """calibration(): the batches of the expert importance; log: the run's log(**event)."""
+    def __init__(self, search, model, args, vocab, calibration, log, prepare_layers=None):
+        """calibration(): the batches of the expert importance; log: the run's log(**event);
+        prepare_layers(layers): what prune.py's parallelize_student does to a layer before FSDP2
+        shards it, for the layers the cut rebuilds (LoRA, checkpointing, compile)."""
         self.search, self.model, self.args, self.vocab = search, model, args, vocab
         self.calibration, self.log = calibration, log
+        self.prepare_layers = prepare_layers or (lambda layers: layers)
         self.n, self.t, self.done, self.gates, self.noise = args.experts_keep, 0, False, None, []
         self.G = getattr(model.config.get_text_config(), "n_group", None) or 1
         self.gen = torch.Generator().manual_seed(args.seed + 1)  # its own draws, the same on every rank
@@ -180,20 +183,8 @@ class ExpertSearch:
         its optimizer state `moments` carried; the same on a model built anew (the export)."""
         from experts.cut import cut_experts
         kept = self.search.kept()
-        return cut_experts(model, self.kept_experts(), kept, moments, self._prepare)
-
-    def _prepare(self, layer):
-        """What prune.parallelize_student did to a layer before FSDP2 sharded it, for a rebuilt one."""
-        if self.args.lora_rank:
-            from scale.lora import add_lora
-            add_lora(None, self.args.lora_rank, self.args.lora_alpha, self.args.seed, [layer])
-        if self.args.activation_checkpointing not in (None, "none"):
-            from scale.fsdp import apply_activation_checkpointing
-            apply_activation_checkpointing(None, self.args.activation_checkpointing, [layer])
-        if self.args.compile:
-            from scale.compile import compile_layers
-            compile_layers(None, [layer])
-        return layer
+        return cut_experts(model, self.kept_experts(), kept, moments,
+                           lambda layer: self.prepare_layers([layer])[0])
 
     def kept_experts(self):
         """{original layer index (str): the experts kept}, for the MoE layers the layer cut keeps."""

@@ -68,7 +68,7 @@ def _chunk_losses(c, logprobs, w, need_grad, tail=False):
     p_t = logprobs.exp()
     losses = (torch.xlogy(p_t, p_t) - p_t * (z_top - lse[:, None])).sum(-1)  # L_token(i), eq. 12
     scale, top = p_t.sum(-1), -p_t  # dL/dz: P_i s, and at the top-K ids - p_t
-    if tail:  # as kd.tail_token_kl: r_s = 1 - Q to fp32's ~1e-7, stopped there (its gradient too)
+    if tail:  # as baselines/targets.py's tail_term: r_s = 1 - Q to fp32's ~1e-7, stopped there (its gradient too)
         s_top = torch.exp(z_top - lse[:, None])
         Q = s_top.sum(-1)
         open_ = Q < 1 - 1e-7
@@ -377,7 +377,7 @@ def _loss_fn(kind, batch, vocab, chunk):
             ids, logprobs = distinct_draws(batch["sample_ids"])
         if targets == "hybrid":  # the top-K first, then the rest's draws at r_t times their shares
             top = batch["topk_logprobs"].float()
-            rest = kd.rest_mass(top)[..., None].log()
+            rest = kd.beyond().rest_mass(top)[..., None].log()
             ids = torch.cat([batch["topk_ids"], ids], -1)
             logprobs = torch.cat([top, rest + logprobs], -1)
         mask, entropy = kd.positions(batch), batch["entropy"] if kind == "akd" else None

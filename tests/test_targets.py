@@ -18,6 +18,10 @@ from cache_teacher import TeacherCache, build_cache
 from scale.fused_loss import _loss_fn, distinct_draws, head_kd_loss
 
 
+def sampled_kl(logp_s, draws):  # kd.TARGETS["sampled"] on a batch of draws alone
+    return kd.TARGETS["sampled"](logp_s, {"sample_ids": draws})
+
+
 def ls(logits):
     """The student's log-probs, what kd.py's L_token functions take."""
     return torch.log_softmax(logits.float(), -1)
@@ -61,7 +65,7 @@ def test_tail_kl_equals_float64_written_out(K):
     student, teacher = torch.randn(B, T, V) * 2, torch.randn(B, T, V) * 2
     lp, ids = torch.log_softmax(teacher, -1).topk(K, -1)
     want = tail_kl_float64(student, teacher, K)
-    torch.testing.assert_close(kd.tail_token_kl(ls(student), ids, lp).double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kd.TARGETS["tail"](ls(student), {"topk_ids": ids, "topk_logprobs": lp}).double(), want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(kd.LOSSES["kd"](student, {"topk_ids": ids, "topk_logprobs": lp,
                                                          "targets": "tail"}).double(),
                                want.mean(), rtol=1e-5, atol=1e-6)
@@ -74,7 +78,7 @@ def test_tail_kl_equals_float64_written_out(K):
     torch.testing.assert_close(loss.double(), want.mean(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(s32.grad.double(), s64.grad, rtol=1e-4, atol=1e-6)
     s = student.clone().requires_grad_(True)  # kd.py's by autograd too
-    kd.tail_token_kl(ls(s), ids, lp).mean().backward()
+    kd.TARGETS["tail"](ls(s), {"topk_ids": ids, "topk_logprobs": lp}).mean().backward()
     torch.testing.assert_close(s.grad.double(), s64.grad, rtol=1e-4, atol=1e-6)
 
 
@@ -85,11 +89,11 @@ def test_tail_kl_is_zero_at_the_teacher_and_sees_the_mass_top_k_kd_does_not():
     V, K = 30, 5
     t = torch.randn(1, 1, V) * 2
     lp, ids = torch.log_softmax(t, -1).topk(K, -1)
-    assert kd.tail_token_kl(ls(t), ids, lp).abs().max() < 1e-5
+    assert kd.TARGETS["tail"](ls(t), {"topk_ids": ids, "topk_logprobs": lp}).abs().max() < 1e-5
     on_top = torch.full_like(t, -30.0).scatter(-1, ids, lp)  # p_s = p_t / sum_K p_t on the top-K
     assert kd.token_kl(ls(on_top), ids, lp).item() < kd.token_kl(ls(t), ids, lp).item()  # eq. 12 prefers it
     # r_t log(r_t / r_s) with r_t = 0.034 and r_s ~ 1e-12, which the loss stops at 1e-7
-    assert kd.tail_token_kl(ls(on_top), ids, lp).item() == pytest.approx(
+    assert kd.TARGETS["tail"](ls(on_top), {"topk_ids": ids, "topk_logprobs": lp}).item() == pytest.approx(
         kd.token_kl(ls(on_top), ids, lp).item() + 0.034 * math.log(0.034 / 1e-7), rel=0.05)
 
 
@@ -101,7 +105,7 @@ def test_top_k_with_k_equal_v_is_the_full_kl():
     pt, ps = torch.softmax(teacher.double(), -1), torch.softmax(student.double(), -1)
     want = (pt * (pt.log() - ps.log())).sum(-1)
     torch.testing.assert_close(kd.token_kl(ls(student), ids, lp).double(), want, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(kd.full_token_kl(ls(student), teacher).double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kd.TARGETS["full"](ls(student), {"teacher_logits": teacher}).double(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_distinct_draws_count_every_draw_once():
@@ -128,7 +132,7 @@ def test_sampled_gradient_is_the_full_kl_gradient_in_expectation_and_top_k_is_no
     se = (p_t * (1 - p_t) / (N * M)).sqrt().max().item()
     draws = torch.multinomial(p_t.float().expand(M, V), N, replacement=True)
     zs = z.expand(M, V).clone().requires_grad_(True)
-    kd.sampled_token_kl(ls(zs), draws).sum().backward()
+    sampled_kl(ls(zs), draws).sum().backward()
     sampled = zs.grad.double().mean(0)
     assert (sampled - full).abs().max().item() < 5 * se, ((sampled - full).abs().max(), se)
     # the fused head: the same gradient from the distinct draws at their shares
@@ -152,11 +156,11 @@ def test_sampled_kl_reads_zero_at_its_own_draws_and_matches_float64():
     ps = torch.softmax(student.double(), -1)
     want = torch.tensor([sum(m / N * math.log(m / N / ps[r, c].item()) for c, m in Counter(row).items())
                          for r, row in enumerate(draws.tolist())], dtype=torch.float64)
-    torch.testing.assert_close(kd.sampled_token_kl(ls(student), draws).double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sampled_kl(ls(student), draws).double(), want, rtol=1e-5, atol=1e-6)
     empirical = torch.zeros(6, V).scatter_add_(-1, draws, torch.full((6, N), 1 / N)).clamp(min=1e-30).log()
-    assert kd.sampled_token_kl(ls(empirical), draws).abs().max() < 1e-5
+    assert sampled_kl(ls(empirical), draws).abs().max() < 1e-5
     torch.testing.assert_close(fused(student[None], *distinct_draws(draws[None])),
-                               kd.sampled_token_kl(ls(student), draws).mean(), rtol=1e-5, atol=1e-6)
+                               sampled_kl(ls(student), draws).mean(), rtol=1e-5, atol=1e-6)
 
 
 def hybrid_kl_float64(student, ids, logprobs, draws):
@@ -179,7 +183,7 @@ def hybrid_targets(t, K, N, M, generator=None):
 
 
 def test_hybrid_kl_matches_float64_and_reads_zero_at_its_target():
-    """kd.hybrid_token_kl and the fused head (top-K ids, then the distinct draws at r_t x their
+    """kd.TARGETS['hybrid'] and the fused head (top-K ids, then the distinct draws at r_t x their
     shares) against the float64 sums written out; 0 when the student is the target itself."""
     torch.manual_seed(6)
     V, K, N = 24, 4, 12
@@ -188,7 +192,7 @@ def test_hybrid_kl_matches_float64_and_reads_zero_at_its_target():
     ids, lp, draws = (torch.cat(x) for x in zip(*rows))
     want = torch.tensor([hybrid_kl_float64(student[i], ids[i], lp[i], draws[i]) for i in range(5)],
                         dtype=torch.float64)
-    got = kd.hybrid_token_kl(ls(student), ids, lp, draws)
+    got = kd.TARGETS["hybrid"](ls(student), {"topk_ids": ids, "topk_logprobs": lp, "sample_ids": draws})
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     batch = {"targets": "hybrid", "topk_ids": ids[None], "topk_logprobs": lp[None], "sample_ids": draws[None],
              "entropy": torch.ones(1, 5)}
@@ -197,7 +201,7 @@ def test_hybrid_kl_matches_float64_and_reads_zero_at_its_target():
     target = torch.full((5, V), 1e-30)  # the target distribution itself as the student's softmax
     r = 1 - lp.exp().sum(-1, keepdim=True)
     target.scatter_(-1, ids, lp.exp()).scatter_add_(-1, draws, r.expand(5, N) / N)
-    assert kd.hybrid_token_kl(ls(target.log()), ids, lp, draws).abs().max() < 1e-5
+    assert kd.TARGETS["hybrid"](ls(target.log()), {"topk_ids": ids, "topk_logprobs": lp, "sample_ids": draws}).abs().max() < 1e-5
 
 
 def test_hybrid_gradient_is_the_full_kl_gradient_in_expectation_with_less_variance_than_sampled():
@@ -215,11 +219,11 @@ def test_hybrid_gradient_is_the_full_kl_gradient_in_expectation_with_less_varian
     q = p_t.index_fill(0, ids[0], 0) / r
     se = (r * (q * (1 - q) / (N * M)).sqrt()).max().item()
     zh = z.expand(M, V).clone().requires_grad_(True)
-    kd.hybrid_token_kl(ls(zh), ids, lp, draws).sum().backward()
+    kd.TARGETS["hybrid"](ls(zh), {"topk_ids": ids, "topk_logprobs": lp, "sample_ids": draws}).sum().backward()
     hybrid = zh.grad.double()
     assert (hybrid.mean(0) - full).abs().max().item() < 5 * se, ((hybrid.mean(0) - full).abs().max(), se)
     zs = z.expand(M, V).clone().requires_grad_(True)
-    kd.sampled_token_kl(ls(zs), torch.multinomial(p_t.float().expand(M, V), N, replacement=True)).sum().backward()
+    sampled_kl(ls(zs), torch.multinomial(p_t.float().expand(M, V), N, replacement=True)).sum().backward()
     var = lambda g: g.var(0).sum().item()  # noqa: E731
     assert var(hybrid) < var(zs.grad.double()) / 3, (var(hybrid), var(zs.grad.double()), r.item())
 
