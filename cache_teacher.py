@@ -339,12 +339,13 @@ def teacher_targets(model, input_ids, vocab, topk, logit_chunk=0, samples=0, gen
         chunks = chunked_logits(model, input_ids, logit_chunk)
     else:
         chunks = [model(input_ids=input_ids, use_cache=False).logits.flatten(0, 1)]
+    if samples:  # x_j ~ p_t, or ~ its rest (baselines/targets.py)
+        from baselines.targets import draw
     # 64-token slices on a CPU stay in cache (12.6 MB of fp32 at V = 49K); a GPU takes 4096
     for z in chunks:
         for z in z.split(64 if z.device.type == "cpu" else 4096):
             found, logp = stats(z[:, :vocab], topk, samples > 0)  # padding rows past the tokenizer go
-            if samples:  # x_j ~ p_t, or ~ its rest (baselines/targets.py)
-                from baselines.targets import draw
+            if samples:
                 found["sample_ids"] = draw(logp, found.get("topk_ids"), samples, generator)
             out.append(found)
     return {k: torch.cat([f[k] for f in out]).view(B, T, *v.shape[1:]) for k, v in out[0].items()}

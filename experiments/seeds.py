@@ -96,7 +96,12 @@ LABELS = {"shortgpt": "ShortGPT (BI one-shot, no training)", "minitron": "Minitr
 # experiments/moe_compare.sh: routed experts of the small MoE (experiments/moe_model.py), 25% / 50% removed
 MOE_METHODS = {"x-e3": "E3 on experts (KL init, Gumbel-TopK search) + AKD", "x-kl": "expert KL one-shot + AKD",
                "x-reap": "REAP one-shot + AKD", "x-reap-oneshot": "REAP one-shot, no training",
-               "x-frequency": "routing frequency one-shot + AKD", "x-random": "random experts + AKD"}
+               "x-frequency": "routing frequency one-shot + AKD", "x-random": "random experts + AKD",
+               # issue 67: which experts for every served text (MIX=1 bash experiments/moe_compare.sh)
+               "x-reap-max": "REAP per domain, max of the shares, one-shot + AKD",
+               "x-reap-minimax": "REAP per domain, minimax set, one-shot + AKD",
+               "x-kl-minimax": "expert KL per domain, minimax set, one-shot + AKD",
+               "x-merge": "REAP one-shot, the dropped experts merged in, + AKD"}
 MOE_RUNS = {f"{m}-{p}": f"{label}, {p}% of the experts" for p in (50, 25) for m, label in MOE_METHODS.items()}
 MOE_RUNS["l-kl-50"] = "layers instead: KL one-shot 6 -> 3 + AKD (about x-*-50's parameters)"
 METHODS += list(MOE_RUNS)
@@ -104,7 +109,8 @@ LABELS.update(MOE_RUNS)
 PAIRS = [*[(f"{a}-{p}", f"{b}-{p}") for p in (50, 25) for a, b in (
              ("x-e3", "x-kl"), ("x-e3", "x-reap"), ("x-kl", "x-reap"), ("x-reap", "x-frequency"),
              ("x-reap", "x-random"), ("x-kl", "x-random"), ("x-e3", "x-random"),
-             ("x-reap", "x-reap-oneshot"))], ("x-kl-50", "l-kl-50"),
+             ("x-reap", "x-reap-oneshot"), ("x-reap-max", "x-reap"), ("x-reap-minimax", "x-reap"),
+             ("x-kl-minimax", "x-reap"), ("x-merge", "x-reap"))], ("x-kl-50", "l-kl-50"),
          ("e3-akd", "kl-oneshot"), ("evo", "kl-oneshot"), ("random", "kl-oneshot"),
          ("e3-akd", "evo"), ("e3-calib-mix", "kl-calib-mix"),
          ("e3-mix", "kl-calib-mix"), ("e3-mix", "kl-oneshot"), ("evo-mix", "kl-calib-mix"),
@@ -261,6 +267,18 @@ def table(results_dir=RESULTS):
             label = LABELS.get(m, m)
             lines.append(f"| {label} | {','.join(map(str, sorted(by[m])))} | "
                          + " | ".join(cells) + " |")
+        lines.append("")
+    if len(corpora) > 1 and all("teacher_ppl" in c for c in any_run["corpora"].values()):
+        # every served text at once: each run's ppl over the dense teacher's on each text, and its worst
+        lines += ["Held-out ppl / the dense teacher's, and each run's worst text, mean ± sd (min-max):", "",
+                  "| method | seeds | " + " | ".join(corpora) + " | worst |", "|---|---|" + "---|" * (len(corpora) + 1)]
+        for m in methods:
+            runs = [by[m][s] for s in sorted(by[m]) if set(corpora) <= set(by[m][s]["corpora"])]
+            ratio = [{c: r["corpora"][c]["ppl"] / r["corpora"][c]["teacher_ppl"] for c in corpora} for r in runs]
+            if ratio:
+                lines.append(f"| {LABELS.get(m, m)} | {','.join(str(r['seed']) for r in runs)} | "
+                             + " | ".join(fmt([x[c] for x in ratio], ".3f") for c in corpora)
+                             + f" | {fmt([max(x.values()) for x in ratio], '.3f')} |")
         lines.append("")
     paired = []
     for a, b in PAIRS:

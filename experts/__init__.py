@@ -9,7 +9,11 @@ an MoE config asks:
                   what the router chose and the gates the family applies, read off the experts' call
   importance.py   a score per (MoE layer, expert), one pass over the calibration set:
                   EXPERT_IMPORTANCE = {"reap": REAP's saliency, "frequency": the share of tokens
-                  routed to it, "kl": s_{l,j} = E_x KL(p_{-(l,j)} || p), exact}
+                  routed to it, "kl": s_{l,j} = E_x KL(p_{-(l,j)} || p), exact}; per served
+                  domain apart, combined (domain_scores: --expert-domains max, minimax)
+  search.py       the Gumbel-TopK search over each layer's experts, the cut (--experts-keep)
+  cut.py          the N-expert model: every per-expert tensor sliced, the optimizer's moments too
+  merge.py        the dropped experts folded into the kept ones at the cut (--expert-merge)
 
 An MoE layer l computes, for a token x, y = sum_{j in TopK_l(x)} g_j(x) f_j(x) (+ a shared expert,
 never routed, never scored here): the router makes E logits, the family turns them into a choice of

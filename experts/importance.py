@@ -31,10 +31,15 @@ count. In eval mode: a router's jitter noise (Mixtral's, when training) never mo
               mask differs), ceil(E / R) partial forwards a MoE layer and rank, the scores gathered
               after (kl_forwards: what a rank runs).
 
+Per domain (--expert-domains, with a --calib-data mixture): one of these on each domain's
+calibration sequences apart, each normalised within its domain, then combined (domain_scores).
+
 score_experts(name, model, batches, vocab, log) runs one, writes it to the run's log as the layers'
 importance is written (event "expert_importance": the method, the MoE layers, the scores a row a
 layer) and prints a line a layer.
 """
+import itertools
+import math
 from contextlib import contextmanager
 
 import torch
@@ -179,3 +184,60 @@ def score_experts(method, model, batches, vocab, log=None, generator=None):
     for l, row in zip(layers, scores.tolist()):
         print0(f"expert importance ({method}), layer {l}: " + " ".join(f"{s:.3g}" for s in row))
     return scores, layers
+
+
+def domain_scores(method, model, domains, vocab, how, n, groups=1, log=None, generator=None):
+    """Per-domain importance: EXPERT_IMPORTANCE[method] on each domain's calibration batches apart
+    (`domains`: {name: batches}), each domain's row of a layer divided by its sum (the share of the
+    domain's importance each expert holds: a domain whose KL is small in nats counts as much as one
+    whose KL is large), then combined so that every domain keeps what it needs:
+
+      max      an expert's largest share over the domains (pooled scoring is nearer their sum)
+      minimax  per layer (per group of DeepSeek's n_group, each its share of the n), the set whose
+               worst domain loses the least: min over sets of max over domains of the share the
+               removed experts hold; every set enumerated up to MINIMAX_SETS of them, else a greedy
+               choice (remove, one at a time, the expert whose removal least raises the worst
+               domain's removed share); an expert's score is its max share, + 1 if in the set
+
+    Returns (scores [M, E] float64, layers); each domain's scores are logged as score_experts
+    logs the pooled ones, with its name."""
+    rows = []
+    for name, batches in domains.items():
+        domain_log = None if log is None else (lambda name=name, **event: log(**event, domain=name))
+        scores, layers = score_experts(method, model, batches, vocab, domain_log, generator)
+        rows.append(scores / scores.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny))
+    shares = torch.stack(rows)  # [D, M, E]
+    best = shares.amax(0)
+    if how == "max":
+        return best, layers
+    if how != "minimax":
+        raise E3Error(f"--expert-domains must be pooled, max or minimax; got '{how}'")
+    D, M, E = shares.shape
+    kept = torch.zeros(M, E, dtype=torch.float64)
+    for m, g in itertools.product(range(M), range(groups)):
+        group = list(range(g * E // groups, (g + 1) * E // groups))
+        chosen, _ = minimax_set(shares[:, m, group], n // groups)
+        kept[m, [group[j] for j in chosen]] = 1.0
+    return best + kept, layers
+
+
+MINIMAX_SETS = 200_000  # sets enumerated a layer (or group) at most; beyond: the greedy choice
+
+
+def minimax_set(shares, n):
+    """shares [D, E']: the n of E' experts whose removal costs the worst domain least (its removed
+    share), and that cost: by enumeration when C(E', n) <= MINIMAX_SETS, else greedily."""
+    D, E = shares.shape
+    total = shares.sum(-1)  # 1 a domain, up to rounding
+    if math.comb(E, n) <= MINIMAX_SETS:
+        sets = torch.tensor(list(itertools.combinations(range(E), n)), dtype=torch.long)  # [C, n]
+        removed = total[None, :] - shares.T[sets].sum(1)  # [C, D]
+        worst = removed.amax(-1)
+        i = int(torch.argmin(worst))  # ties: the first in enumeration order
+        return sets[i].tolist(), worst[i].item()
+    left, removed = list(range(E)), torch.zeros(D, dtype=torch.float64)
+    while len(left) > n:
+        _, _, e = min(((removed + shares[:, e]).max().item(), shares[:, e].sum().item(), e) for e in left)
+        removed += shares[:, e]
+        left.remove(e)
+    return left, removed.max().item()

@@ -28,7 +28,7 @@ import copy
 
 import torch
 
-from experts.importance import score_experts
+from experts.importance import domain_scores, score_experts
 from experts.routing import COUNT_KEYS, ExpertGates, expert_count, experts_per_layer, moe_layers
 from runtime import E3Error, mean_over_ranks, print0
 from sampler import gumbel_noise, gumbel_topk, k_schedule, score_lr_schedule, tau_schedule
@@ -65,6 +65,15 @@ def check_args(args, config):
                       f"'{args.expert_init}'")
     if args.guard:
         raise E3Error("--guard chooses among layer sets; with --experts-keep it is not available")
+    if args.expert_domains != "pooled":
+        from scale.data import allot, is_mixture, mixture_sources
+        if not is_mixture(args.calib_data) or len(mixture_sources(args.calib_data)) < 2:
+            raise E3Error(f"--expert-domains {args.expert_domains} scores each domain of the calibration "
+                          f"text apart: pass --calib-data as a mixture of two or more, A:W,B:W")
+        sources = mixture_sources(args.calib_data)
+        if min(allot(args.n_calib, [w for _, w in sources])) == 0:
+            raise E3Error(f"--expert-domains {args.expert_domains}: --n-calib {args.n_calib} gives some "
+                          f"domain of --calib-data no sequence at its weight; raise --n-calib or the weight")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     moes = moe_layers(model)
@@ -73,6 +82,9 @@ def check_args(args, config):
                       f"experts/routing.py cannot tell which are routed")
     for moe in moes:
         check_placeable(moe)
+    if args.expert_merge:
+        from experts.merge import check_args as check_merge
+        check_merge(args)
     from experts.cut import cut_experts
     try:  # the cut rehearsed on the meta device: the family's own N-expert blocks take the slices
         cut_experts(model, {m.index: list(range(args.experts_keep)) for m in moes})
@@ -122,9 +134,15 @@ class ExpertSearch:
     def prepare(self, model, cache, losses, log):
         """Before training: the expert importance (logged), S^e_0, the gates (every expert routable
         until a step has moved S^e, or the cut)."""
-        generator = torch.Generator().manual_seed(self.args.seed)
-        scores, layers = score_experts(self.args.expert_init, model, self.calibration(), self.vocab,
-                                       self.log, generator)
+        generator, how = torch.Generator().manual_seed(self.args.seed), self.args.expert_domains
+        if how == "pooled":  # one score over the calibration text, whatever its domains
+            scores, layers = score_experts(self.args.expert_init, model, self.calibration(), self.vocab,
+                                           self.log, generator)
+        else:  # each domain of the --calib-data mixture scored apart, then combined
+            scores, layers = domain_scores(self.args.expert_init, model, self.calibration(by_source=True),
+                                           self.vocab, how, self.n, self.G, self.log, generator)
+            self.log(event="expert_importance", method=f"{self.args.expert_init}-{how}", layers=layers,
+                     scores=scores.tolist(), step=0)
         self._start(initial_scores(scores, self.args.expert_score_scale), layers)
         self.search.prepare(model, cache, losses, log)
 
@@ -183,6 +201,9 @@ class ExpertSearch:
         its optimizer state `moments` carried; the same on a model built anew (the export)."""
         from experts.cut import cut_experts
         kept = self.search.kept()
+        if self.args.expert_merge and moments is not None:  # the training's cut (the export loads
+            from experts.merge import merge_experts           # the merged weights after it)
+            merge_experts(model, self.kept_experts(), self.calibration(), self.G, self.log, kept, moments)
         return cut_experts(model, self.kept_experts(), kept, moments,
                            lambda layer: self.prepare_layers([layer])[0])
 
@@ -198,6 +219,8 @@ class ExpertSearch:
 
     def summary(self):
         return {**self.search.summary(), "experts": f"{self.E} -> {self.n}", "expert_init": self.args.expert_init,
+                **({"expert_domains": self.args.expert_domains} if self.args.expert_domains != "pooled" else {}),
+                **({"expert_merge": True} if self.args.expert_merge else {}),
                 "initial_expert_scores": self.S0.tolist(), "kept_experts": self.kept_experts()}
 
     def state_dict(self):

@@ -9,6 +9,7 @@ file other than .txt or .md is in --data (documents: which reader, or a refusal)
              group at a time; needs pyarrow (pip install pyarrow)
 """
 import json
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -151,6 +152,11 @@ def micro_batch_weights(source, idx, n_micro, kind, world):
 # its own start (its held-out end from its own end), then interleaved so that every prefix holds
 # the proportions too, within a block a source (the calibration reads the first --n-calib).
 
+def is_mixture(text):
+    """Whether a text flag's value is a SOURCE:WEIGHT,... mixture rather than a file or folder."""
+    return bool(text) and ":" in str(text) and not Path(text).exists()
+
+
 def mixture_sources(spec):
     """'a:0.5,b:0.3' -> [('a', 0.5), ('b', 0.3)]; one line naming the problem otherwise."""
     sources = []
@@ -180,7 +186,8 @@ class MixedBlocks:
     """Blocks (cache_teacher.Blocks) of several sources interleaved: source i's j-th block sits at
     the rank of (j + 1/2) / n_i among all, so any first m rows hold ~m w_i of source i's."""
 
-    def __init__(self, parts, seq_len):
+    def __init__(self, parts, seq_len, names=None):
+        self.names = names or [str(i) for i in range(len(parts))]  # the sources, as --data named them
         order = sorted(((j + 0.5) / len(b), i, j) for i, b in enumerate(parts) for j in range(len(b)))
         self.parts, self.rows, self.seq_len = parts, [(i, j) for _, i, j in order], seq_len
         self.n = len(self.rows)
@@ -194,6 +201,17 @@ class MixedBlocks:
         a, b, _ = slice(rows.start, rows.stop).indices(self.n)
         got = [self.parts[i][j:j + 1] for i, j in self.rows[a:b]]
         return torch.cat(got) if got else torch.empty(0, self.seq_len, dtype=torch.long)
+
+    def by_source(self, n):
+        """{source: [n_i, T] its rows among the first n}, in the sources' order; one line where a
+        source is named twice or has none of the n."""
+        rows = self.rows[:n]
+        got = [[j for k, j in rows if k == i] for i in range(len(self.parts))]
+        if len(set(self.names)) < len(self.names) or not all(got):
+            raise E3Error(f"each source of the mixture scored apart needs its own text and some of the "
+                          f"{n} sequences ({', '.join(f'{s}: {len(g)}' for s, g in zip(self.names, got))}); "
+                          f"name each once, raise --n-calib or its weight")
+        return {s: torch.cat([self.parts[i][j:j + 1] for j in g]) for i, (s, g) in enumerate(zip(self.names, got))}
 
     def source_rows(self):
         """[(source, row in that source)] in order: which text each block is (tests, reports)."""
@@ -225,5 +243,5 @@ def mixture_blocks(corpus_blocks, tok, data, seq_len, max_tokens, val_frac, max_
                           f"{want // seq_len}; add text or lower the budget")
         shares = allot(min(n, want // seq_len) if want else n, weights)
         out[s] = MixedBlocks([type(b[s])(b[s].tokens, b[s].start, k, seq_len)
-                              for b, k in zip(whole, shares)], seq_len)
+                              for b, k in zip(whole, shares)], seq_len, paths)
     return out

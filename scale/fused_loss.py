@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import kd
+from baselines.targets import rest_mass
 from architectures.logits import logit_transform, model_logits
 from runtime import E3Error, all_gather
 from scale.vocab_parallel import VocabShard, assert_ids
@@ -377,7 +378,7 @@ def _loss_fn(kind, batch, vocab, chunk):
             ids, logprobs = distinct_draws(batch["sample_ids"])
         if targets == "hybrid":  # the top-K first, then the rest's draws at r_t times their shares
             top = batch["topk_logprobs"].float()
-            rest = kd.beyond().rest_mass(top)[..., None].log()
+            rest = rest_mass(top)[..., None].log()
             ids = torch.cat([batch["topk_ids"], ids], -1)
             logprobs = torch.cat([top, rest + logprobs], -1)
         mask, entropy = kd.positions(batch), batch["entropy"] if kind == "akd" else None

@@ -362,7 +362,8 @@ def test_deepseek_groups_stay_whole(tmp_path):
                 b.copy_(torch.linspace(-1, 1, 8))
     args = argparse.Namespace(experts_keep=4, keep=4, search_steps=4, seed=0, score_lr=0.1, beta=0.9,
                               masks_per_step=1, score_lr_schedule="constant", expert_init="random",
-                              expert_score_scale=1.0)
+                              expert_score_scale=1.0, expert_domains="pooled",
+                              expert_merge=False)
     search = ExpertSearch(GumbelTopKSearch(torch.zeros(4), args, 4, 8, [], "cpu"), model, args, VOCAB,
                           lambda: [], lambda **e: None)
     search.prepare(model, None, None, None)
@@ -390,7 +391,9 @@ def test_a_dense_model_and_uneven_groups_are_refused(saved, corpus, tmp_path, ca
     from experts.search import check_args
     config = tiny("deepseek_v3").config
     config.n_routed_experts, config.n_group, config.topk_group = 8, 2, 1
-    args = type("Args", (), dict(experts_keep=3, search="gumbel", expert_init="kl", guard=None))()
+    args = type("Args", (), dict(experts_keep=3, search="gumbel", expert_init="kl", guard=None,
+                                 expert_domains="pooled", expert_merge=False, calib_data=None,
+                                 plan=None))()
     with pytest.raises(E3Error, match="route in 2 groups"):
         check_args(args, config)
     args.experts_keep = 4

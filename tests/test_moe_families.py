@@ -69,7 +69,8 @@ def outcome(mt, tmp_path):
     model, cfg = instance(mt)
     if model is None:
         return "not built", cfg
-    args = argparse.Namespace(experts_keep=N, search="none", expert_init="kl", guard=None)
+    args = argparse.Namespace(experts_keep=N, search="none", expert_init="kl", guard=None, expert_domains="pooled",
+                              expert_merge=False, calib_data=None, plan=None)
     try:
         check_args(args, cfg)
     except E3Error as e:
