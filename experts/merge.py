@@ -54,9 +54,9 @@ def router_similarity(model, batches):
         return on_call
     handles = [moe.linear.register_forward_hook(hook(m)) for m, moe in enumerate(moes)]
     model.eval()
+    dev = next(model.parameters()).device
     try:
         for ids, attn in batches:
-            dev = next(model.parameters()).device
             model(input_ids=ids.to(dev), attention_mask=None if attn is None else attn.to(dev), use_cache=False)
     finally:
         model.train(training)

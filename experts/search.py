@@ -67,10 +67,10 @@ def check_args(args, config):
         raise E3Error("--guard chooses among layer sets; with --experts-keep it is not available")
     if args.expert_domains != "pooled":
         from scale.data import allot, is_mixture, mixture_sources
-        if not is_mixture(args.calib_data) or len(mixture_sources(args.calib_data)) < 2:
+        sources = mixture_sources(args.calib_data) if is_mixture(args.calib_data) else []
+        if len({path for path, _ in sources}) < max(2, len(sources)):  # two or more, each named once
             raise E3Error(f"--expert-domains {args.expert_domains} scores each domain of the calibration "
-                          f"text apart: pass --calib-data as a mixture of two or more, A:W,B:W")
-        sources = mixture_sources(args.calib_data)
+                          f"text apart: pass --calib-data as a mixture of two or more, each once, A:W,B:W")
         if min(allot(args.n_calib, [w for _, w in sources])) == 0:
             raise E3Error(f"--expert-domains {args.expert_domains}: --n-calib {args.n_calib} gives some "
                           f"domain of --calib-data no sequence at its weight; raise --n-calib or the weight")

@@ -203,15 +203,10 @@ class MixedBlocks:
         return torch.cat(got) if got else torch.empty(0, self.seq_len, dtype=torch.long)
 
     def by_source(self, n):
-        """{source: [n_i, T] its rows among the first n}, in the sources' order; one line where a
-        source is named twice or has none of the n."""
-        rows = self.rows[:n]
-        got = [[j for k, j in rows if k == i] for i in range(len(self.parts))]
-        if len(set(self.names)) < len(self.names) or not all(got):
-            raise E3Error(f"each source of the mixture scored apart needs its own text and some of the "
-                          f"{n} sequences ({', '.join(f'{s}: {len(g)}' for s, g in zip(self.names, got))}); "
-                          f"name each once, raise --n-calib or its weight")
-        return {s: torch.cat([self.parts[i][j:j + 1] for j in g]) for i, (s, g) in enumerate(zip(self.names, got))}
+        """{source: [n_i, T] its rows among the first n}, in the sources' order (each source named
+        once and given some of the n: experts/search.check_args refuses a mixture that is not)."""
+        return {s: torch.cat([self.parts[k][j:j + 1] for k, j in self.rows[:n] if k == i])
+                for i, s in enumerate(self.names)}
 
     def source_rows(self):
         """[(source, row in that source)] in order: which text each block is (tests, reports)."""
